@@ -1,0 +1,1 @@
+"""The bootstrap service: node registry, room placement and status."""

@@ -1,0 +1,142 @@
+"""The bootstrap's REST API: thin routers over the Cluster."""
+
+import asyncio
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response
+from pydantic import BaseModel, Field, model_validator
+
+from bootstrap.cluster import Cluster, NoLiveNode
+from bootstrap.registry import Heartbeat, LayoutConflict, NodeRegistration
+from bootstrap.rooms import RoomRecord
+from shared.metrics import CONTENT_TYPE_LATEST
+from shared.model import ModelConfig, encode_text
+from shared.states import RoomState
+
+
+def get_cluster(request: Request) -> Cluster:
+    cluster: Cluster = request.app.state.cluster
+    return cluster
+
+
+ClusterDep = Annotated[Cluster, Depends(get_cluster)]
+VOCAB = ModelConfig().vocab_size
+
+
+class RoomRequest(BaseModel):
+    prompt: str | None = Field(None, min_length=1, description="text, tokenized as UTF-8 bytes")
+    input_ids: list[Annotated[int, Field(ge=0, lt=VOCAB)]] | None = Field(None, min_length=1)
+    max_new_tokens: int = Field(16, ge=1)
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "RoomRequest":
+        if (self.prompt is None) == (self.input_ids is None):
+            raise ValueError("give exactly one of prompt or input_ids")
+        return self
+
+    def tokens(self) -> list[int]:
+        return self.input_ids if self.input_ids is not None else encode_text(self.prompt or "")
+
+
+nodes = APIRouter(tags=["nodes"])
+rooms = APIRouter(tags=["rooms"])
+ops = APIRouter(tags=["operations"])
+
+
+@nodes.post("/nodes", status_code=201)
+async def register_node(reg: NodeRegistration, cluster: ClusterDep) -> dict[str, Any]:
+    try:
+        node = cluster.register(reg)
+    except LayoutConflict as exc:
+        raise HTTPException(409, str(exc)) from exc
+    return {
+        "node_id": node.id,
+        "report_endpoint": cluster.report_endpoint,
+        "node_ttl_s": cluster.settings.node_ttl_s,
+    }
+
+
+@nodes.put("/nodes/{node_id}/heartbeat")
+async def heartbeat(node_id: str, beat: Heartbeat, cluster: ClusterDep) -> dict[str, Any]:
+    node = cluster.registry.heartbeat(node_id, beat)
+    if node is None:
+        raise HTTPException(404, f"node {node_id} is not registered")
+    return {"node_id": node.id, "alive": node.alive}
+
+
+@nodes.get("/nodes")
+async def list_nodes(cluster: ClusterDep) -> list[dict[str, Any]]:
+    return [node.view() for node in cluster.registry.nodes.values()]
+
+
+@rooms.post("/rooms", status_code=201)
+async def create_room(body: RoomRequest, cluster: ClusterDep) -> dict[str, Any]:
+    s = cluster.settings
+    tokens = body.tokens()
+    if len(tokens) > s.max_prompt_tokens:
+        raise HTTPException(422, f"prompt of {len(tokens)} tokens exceeds the cap of {s.max_prompt_tokens}")
+    if body.max_new_tokens > s.max_new_tokens:
+        raise HTTPException(422, f"max_new_tokens above the cap of {s.max_new_tokens}")
+    try:
+        record = cluster.place(tokens, body.max_new_tokens)
+    except NoLiveNode as exc:
+        raise HTTPException(503, str(exc)) from exc
+    return record.view()
+
+
+def _record(cluster: Cluster, room: int) -> RoomRecord:
+    record = cluster.book.rooms.get(room)
+    if record is None:
+        raise HTTPException(404, f"room {room} is not known")
+    return record
+
+
+@rooms.get("/rooms/{room}")
+async def get_room(
+    room: int,
+    cluster: ClusterDep,
+    wait: Annotated[float, Query(ge=0, description="seconds to wait for the room to finish")] = 0,
+) -> dict[str, Any]:
+    record = _record(cluster, room)
+    if wait > cluster.settings.max_wait_s:
+        raise HTTPException(422, f"wait above {cluster.settings.max_wait_s}s")
+    if wait and not record.finished.is_set():
+        try:
+            await asyncio.wait_for(record.finished.wait(), wait)
+        except TimeoutError:
+            pass
+    return record.view()
+
+
+@rooms.get("/rooms")
+async def list_rooms(
+    cluster: ClusterDep,
+    state: RoomState | None = None,
+    limit: Annotated[int, Query(ge=1, le=10_000)] = 100,
+) -> list[dict[str, Any]]:
+    found = [r for r in reversed(cluster.book.rooms.values()) if state is None or r.state is state]
+    return [r.view() for r in found[:limit]]
+
+
+@rooms.delete("/rooms/{room}")
+async def abort_room(room: int, cluster: ClusterDep) -> dict[str, Any]:
+    record = _record(cluster, room)
+    if not cluster.abort(record):
+        raise HTTPException(409, f"room {room} already ended {record.state.name}")
+    return record.view()
+
+
+@ops.get("/health")
+async def health(cluster: ClusterDep) -> dict[str, Any]:
+    return {
+        "status": "ok",
+        "role": "bootstrap",
+        "live_prefill_nodes": cluster.registry.live_count("prefill"),
+        "live_decode_nodes": cluster.registry.live_count("decode"),
+        "rooms_in_flight": len(cluster.book.in_flight()),
+    }
+
+
+@ops.get("/metrics")
+async def metrics(cluster: ClusterDep) -> Response:
+    return Response(cluster.metrics.render(), media_type=CONTENT_TYPE_LATEST)

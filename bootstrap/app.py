@@ -1,0 +1,85 @@
+"""The bootstrap FastAPI application and its lifespan."""
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from bootstrap import api
+from bootstrap.cluster import Cluster
+from bootstrap.settings import BootstrapSettings
+
+
+class BodyLimit:
+    """Refuse request bodies above ``limit`` bytes before reading them whole."""
+
+    def __init__(self, app: ASGIApp, limit: int):
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
+            await self._refuse(send)
+            return
+        seen = 0
+
+        async def counting_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise _TooLarge
+            return message
+
+        try:
+            await self.app(scope, counting_receive, send)
+        except _TooLarge:
+            await self._refuse(send)
+
+    async def _refuse(self, send: Send) -> None:
+        body = b'{"detail":"request body too large"}'
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def create_app(settings: BootstrapSettings) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        cluster = Cluster(settings)
+        app.state.cluster = cluster
+        ready = asyncio.Event()
+        tasks = [
+            asyncio.create_task(cluster.receive_reports(ready)),
+            asyncio.create_task(cluster.watch_nodes()),
+        ]
+        await ready.wait()
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            cluster.close()
+
+    app = FastAPI(
+        title="kvroom bootstrap",
+        description="Registers prefill and decode nodes and hands out rooms.",
+        lifespan=lifespan,
+    )
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    app.include_router(api.nodes)
+    app.include_router(api.rooms)
+    app.include_router(api.ops)
+    return app

@@ -1,0 +1,125 @@
+"""The bootstrap's view of every room: placement, the agreed state, the result."""
+
+import asyncio
+import collections
+import logging
+import secrets
+import time
+
+from bootstrap.registry import Node
+from shared import protocol
+from shared.model import decode_text
+from shared.states import FailureReason, RoomState, check_transition
+
+log = logging.getLogger(__name__)
+
+_ORDER = [RoomState.BOOTSTRAPPING, RoomState.WAITING_FOR_INPUT, RoomState.TRANSFERRING, RoomState.SUCCESS]
+
+
+class RoomRecord:
+    def __init__(self, room: int, input_ids: list[int], max_new_tokens: int, prefill: Node, decode: Node):
+        self.id = room
+        self.input_ids = input_ids
+        self.max_new_tokens = max_new_tokens
+        self.prefill = prefill
+        self.decode = decode
+        self.state = RoomState.BOOTSTRAPPING
+        self.reason: str | None = None
+        self.created_at = time.time()
+        self.timestamps: dict[str, float] = {self.state.name: self.created_at}
+        self.node_states: dict[str, dict[str, object]] = {}
+        self.timings: dict[str, float] = {}
+        self.output_ids: list[int] | None = None
+        self.finished = asyncio.Event()
+
+    def move(self, new: RoomState, reason: str | None = None, ts: float | None = None) -> None:
+        self.state = check_transition(self.id, self.state, new)
+        self.reason = reason
+        self.timestamps[new.name] = ts or time.time()
+        log.info("room=%d %s%s", self.id, new.name, f" reason={reason}" if reason else "",
+                 extra={"room": self.id})
+
+    def view(self) -> dict[str, object]:
+        return {
+            "room": self.id,
+            "state": self.state.name,
+            "reason": self.reason,
+            "finished": self.finished.is_set(),
+            "prompt_tokens": len(self.input_ids),
+            "max_new_tokens": self.max_new_tokens,
+            "output_ids": self.output_ids,
+            "text": decode_text(self.output_ids) if self.output_ids is not None else None,
+            "prefill": {"node_id": self.prefill.id, "session_ids": [r.session_id for r in self.prefill.reg.ranks]},
+            "decode": {"node_id": self.decode.id, "session_ids": [r.session_id for r in self.decode.reg.ranks]},
+            "node_states": self.node_states,
+            "timestamps": self.timestamps,
+            "timings": self.timings,
+        }
+
+
+class RoomBook:
+    def __init__(self, history: int):
+        self.rooms: collections.OrderedDict[int, RoomRecord] = collections.OrderedDict()
+        self.history = history
+
+    def new_id(self) -> int:
+        """Unique, non-zero, below 2**63: 0 is never a room."""
+        while True:
+            room = secrets.randbits(63)
+            if room and room not in self.rooms:
+                return room
+
+    def add(self, record: RoomRecord) -> None:
+        self.rooms[record.id] = record
+        record.prefill.rooms.add(record.id)
+        record.decode.rooms.add(record.id)
+        self._trim()
+
+    def _trim(self) -> None:
+        excess = len(self.rooms) - self.history
+        for room_id in list(self.rooms):
+            if excess <= 0:
+                break
+            if self.rooms[room_id].finished.is_set():
+                del self.rooms[room_id]
+                excess -= 1
+
+    def in_flight(self) -> list[RoomRecord]:
+        return [r for r in self.rooms.values() if not r.state.terminal]
+
+    def fail(self, record: RoomRecord, reason: str) -> bool:
+        """End the room FAILED unless it already ended; True if this call ended it."""
+        if record.state.terminal:
+            return False
+        record.move(RoomState.FAILED, reason)
+        self._finish(record)
+        return True
+
+    def _finish(self, record: RoomRecord) -> None:
+        record.prefill.rooms.discard(record.id)
+        record.decode.rooms.discard(record.id)
+        record.finished.set()
+
+    def apply(self, record: RoomRecord, report: protocol.RoomReport) -> list[Node]:
+        """Fold a node's report into the room; returns nodes that must be told to abort."""
+        state = RoomState(report.state)
+        role = "prefill" if report.node_id == record.prefill.id else "decode"
+        record.node_states[role] = {"state": state.name, "reason": report.reason, "ts": report.ts}
+        record.timings.update(report.timings)
+        if state is RoomState.FAILED:
+            if self.fail(record, report.reason or f"{role}_failed"):
+                return [record.decode if role == "prefill" else record.prefill]
+            return []
+        if role == "decode" and not record.state.terminal and state > record.state:
+            # Walk the table so each state gets its timestamp, even if reports were coalesced.
+            for step in _ORDER[_ORDER.index(record.state) + 1 : _ORDER.index(state) + 1]:
+                record.move(step, ts=report.ts)
+        if role == "decode" and report.output_ids is not None and record.state is RoomState.SUCCESS:
+            record.output_ids = report.output_ids
+            if report.reason:
+                record.reason = report.reason
+            self._finish(record)
+        elif role == "decode" and report.reason == FailureReason.DECODE_FAILED:
+            record.reason = report.reason
+            self._finish(record)
+        return []

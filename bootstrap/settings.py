@@ -1,0 +1,19 @@
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+
+from shared.settings import ServiceSettings
+
+
+class BootstrapSettings(ServiceSettings):
+    """Settings of the bootstrap service; env prefix KVROOM_BOOTSTRAP_."""
+
+    model_config = SettingsConfigDict(env_prefix="KVROOM_BOOTSTRAP_", cli_prog_name="python -m bootstrap")
+
+    http_port: int = Field(8000, ge=1, le=65535, description="HTTP port of the REST API")
+    zmq_port: int = Field(8001, ge=1, le=65535, description="ZMQ port where nodes report room states")
+    node_ttl_s: float = Field(5.0, gt=0, description="a node silent this long is marked dead")
+    max_prompt_tokens: int = Field(4096, ge=1, description="longest prompt a room may carry, in tokens")
+    max_new_tokens: int = Field(1024, ge=1, description="most tokens a room may ask to generate")
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="larger request bodies are refused unread")
+    max_wait_s: float = Field(60.0, gt=0, description="longest ?wait= a client may ask for")
+    room_history: int = Field(10_000, ge=1, description="finished rooms kept for GET /rooms")

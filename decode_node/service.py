@@ -1,0 +1,254 @@
+"""The decode node: lends KV pages to a prefill node, takes done+aux, decides SUCCESS.
+
+Per room: BOOTSTRAPPING while pages and an aux slot are allocated,
+WAITING_FOR_INPUT once the transfer requests are out, TRANSFERRING when a
+prefill rank reports its writes began, SUCCESS only when every prefill rank
+the room expects sent its done notice with an aux record, and every record
+landed in the room's slot and names this room. Then the remaining tokens are
+decoded from the transferred KV.
+
+Pages lent to a prefill rank are fenced until that rank answers (done+aux or
+released) or the lease times out, so a late write can never land in pages
+that another room already holds.
+"""
+
+import asyncio
+import logging
+import time
+
+from decode_node.settings import DecodeSettings
+from shared import protocol
+from shared.aux_buffers import AuxBuffers
+from shared.errors import AuxValidationError, PoolExhausted, RejectedMessage
+from shared.model import pages_needed
+from shared.node import NodeService
+from shared.room import Room
+from shared.states import FailureReason, RoomState
+from shared.transfer import TransferEngine
+
+log = logging.getLogger(__name__)
+
+
+class DecodeJob(Room):
+    def __init__(self, msg: protocol.DecodeRoom, service: "DecodeService"):
+        super().__init__(msg.room, service.room_changed)
+        self.prompt_len = msg.prompt_len
+        self.max_new_tokens = msg.max_new_tokens
+        self.prefill_ranks = {peer.rank: peer for peer in msg.prefill_ranks}
+        self.pages: list[int] = []
+        self.aux_slot: int | None = None
+        self.pending: set[int] = set()  # prefill ranks whose done+aux has not landed
+        self.leased: set[int] = set()  # prefill ranks that may still write into our pages
+        self.lease_deadline = 0.0
+        self.decoding = False
+
+
+class DecodeService(NodeService):
+    role = "decode"
+    settings: DecodeSettings
+
+    def __init__(self, settings: DecodeSettings, engine: TransferEngine | None = None):
+        super().__init__(settings, engine)
+        self.aux = AuxBuffers(settings.aux_slots)
+        # Failed rooms whose pages are still lent out, until released or timed out.
+        self.fenced: dict[int, DecodeJob] = {}
+        self.metrics.gauge_function("kvroom_free_aux_slots", "Free aux slots", lambda: self.aux.free_slots)
+        self.metrics.gauge_function("kvroom_total_aux_slots", "Aux slots", lambda: self.aux.slots)
+
+    def health(self) -> dict[str, object]:
+        return {
+            **super().health(),
+            "free_aux_slots": self.aux.free_slots,
+            "total_aux_slots": self.aux.slots,
+            "fenced_rooms": len(self.fenced),
+        }
+
+    def handle(self, msg: protocol.Message, aux: memoryview | None) -> None:
+        if isinstance(msg, protocol.KvDone):
+            assert aux is not None
+            self._on_done(msg, aux)
+        elif isinstance(msg, protocol.TransferStarted):
+            self._on_started(msg)
+        elif isinstance(msg, protocol.DecodeRoom):
+            self._on_room(msg)
+        elif isinstance(msg, protocol.RoomReleased):
+            self._on_released(msg)
+        elif isinstance(msg, protocol.AbortRoom):
+            self._on_abort(msg)
+        else:
+            raise RejectedMessage(f"a decode node does not take {type(msg).__name__}", room=msg.room,
+                                  kind="unexpected")
+
+    # -- messages -----------------------------------------------------------------
+
+    def _job_for(self, msg: protocol.Message, prefill_rank: int | None = None) -> DecodeJob:
+        """The live room a peer message addresses, after every check that needs no room data."""
+        if msg.rank != self.rank:  # type: ignore[union-attr]
+            raise RejectedMessage(f"rank {msg.rank} is not served here", room=msg.room,  # type: ignore[union-attr]
+                                  kind="bad_rank")
+        job = self.rooms.live.get(msg.room)
+        if job is None:
+            known = self.rooms.find(msg.room) is not None
+            raise RejectedMessage(
+                f"{type(msg).__name__} for a {'finished' if known else 'unknown'} room",
+                room=msg.room, kind="finished" if known else "unknown_room",
+            )
+        assert isinstance(job, DecodeJob)
+        if prefill_rank is not None and prefill_rank not in job.prefill_ranks:
+            raise RejectedMessage(f"prefill rank {prefill_rank} is not this room's", room=msg.room,
+                                  kind="bad_rank")
+        return job
+
+    def _on_room(self, msg: protocol.DecodeRoom) -> None:
+        if msg.rank != self.rank:
+            raise RejectedMessage(f"rank {msg.rank} is not served here", room=msg.room, kind="bad_rank")
+        if self.rooms.find(msg.room) is not None:
+            raise RejectedMessage("room already known", room=msg.room, kind="duplicate")
+        job = DecodeJob(msg, self)
+        self.rooms.add(job)
+        try:
+            job.pages = self.pool.alloc(pages_needed(self.layout, msg.prompt_len, msg.max_new_tokens))
+            job.aux_slot = self.aux.alloc()
+        except PoolExhausted as exc:
+            log.warning("room=%d %s", job.id, exc, extra={"room": job.id})
+            self._fail(job, FailureReason.NO_CAPACITY)
+            return
+        kv_pages = job.pages[: self.layout.pages_for(msg.prompt_len)]
+        for peer in job.prefill_ranks.values():
+            request = protocol.TransferRequest(
+                room=job.id, rank=peer.rank, decode_rank=self.rank,
+                session_id=self.engine.session_id, kv_base_ptr=self.pool.base_ptr,
+                num_pages=self.pool.num_pages, page_bytes=self.layout.page_bytes,
+                page_indices=kv_pages, aux_slot=job.aux_slot,
+                aux_endpoint=self.settings.public_zmq_endpoint(self.rank),
+            )
+            if not self.send(peer.zmq_endpoint, protocol.encode(request)):
+                self._fail(job, FailureReason.PEER_LOST)
+                return
+            job.pending.add(peer.rank)
+            job.leased.add(peer.rank)
+        job.advance(RoomState.WAITING_FOR_INPUT)
+
+    def _on_started(self, msg: protocol.TransferStarted) -> None:
+        job = self._job_for(msg, msg.prefill_rank)
+        if job.state is RoomState.WAITING_FOR_INPUT:
+            job.advance(RoomState.TRANSFERRING)
+
+    def _on_done(self, msg: protocol.KvDone, record: memoryview) -> None:
+        job = self._job_for(msg, msg.prefill_rank)
+        if msg.prefill_rank not in job.pending:
+            raise RejectedMessage(f"duplicate done from prefill rank {msg.prefill_rank}", room=job.id,
+                                  kind="duplicate")
+        if msg.aux_slot != job.aux_slot:
+            # Bounds and ownership checked before anything is copied.
+            raise RejectedMessage(f"aux slot {msg.aux_slot} is not this room's", room=job.id,
+                                  kind="out_of_range")
+        job.pending.discard(msg.prefill_rank)
+        job.leased.discard(msg.prefill_rank)
+        expected_pages = self.layout.pages_for(job.prompt_len)
+        try:
+            if msg.pages_written != expected_pages:
+                raise AuxValidationError(f"{msg.pages_written} pages written, {expected_pages} expected")
+            self.aux.write(job.aux_slot, record)
+            aux = self.aux.validate(job.aux_slot, job.id, job.prompt_len, self.model.config.vocab_size)
+        except AuxValidationError as exc:
+            log.warning("room=%d aux rejected: %s", job.id, exc, extra={"room": job.id})
+            self._fail(job, FailureReason.AUX_INVALID)
+            return
+        if job.state is RoomState.WAITING_FOR_INPUT:
+            job.advance(RoomState.TRANSFERRING)
+        if job.pending:
+            return
+        self.metrics.aux_latency.observe(max(0.0, time.time() - msg.completed_at))
+        job.advance(RoomState.SUCCESS)
+        self.aux.free(job.aux_slot)
+        job.aux_slot = None
+        job.decoding = True
+        self.spawn(self._decode(job, aux.first_token))
+
+    def _on_released(self, msg: protocol.RoomReleased) -> None:
+        if msg.rank != self.rank:
+            raise RejectedMessage(f"rank {msg.rank} is not served here", room=msg.room, kind="bad_rank")
+        job = self.rooms.live.get(msg.room) or self.fenced.get(msg.room)
+        if job is None or msg.prefill_rank not in job.leased:
+            raise RejectedMessage("release for a room holding no lease", room=msg.room, kind="unknown_room")
+        assert isinstance(job, DecodeJob)
+        job.leased.discard(msg.prefill_rank)
+        job.pending.discard(msg.prefill_rank)
+        # The prefill gave the room up: it cannot succeed any more.
+        self._fail(job, msg.reason or FailureReason.PREFILL_FAILED)
+        self._release(job)
+
+    def _on_abort(self, msg: protocol.AbortRoom) -> None:
+        job = self.rooms.live.get(msg.room)
+        if msg.rank != self.rank or job is None:
+            log.debug("room=%d abort for a room not live here", msg.room, extra={"room": msg.room})
+            return
+        assert isinstance(job, DecodeJob)
+        self._fail(job, msg.reason)
+
+    # -- work and release ---------------------------------------------------------------
+
+    async def _decode(self, job: DecodeJob, first_token: int) -> None:
+        started = time.perf_counter()
+        try:
+            job.output_ids = await asyncio.to_thread(
+                self.model.decode, self.pool, job.pages, job.prompt_len, first_token, job.max_new_tokens
+            )
+            job.timings["decode_s"] = time.perf_counter() - started
+        except Exception:
+            log.exception("room=%d decode failed", job.id, extra={"room": job.id})
+            job.reason = FailureReason.DECODE_FAILED
+        finally:
+            job.decoding = False
+            self._release(job)
+        self.report(job)
+
+    def _fail(self, job: DecodeJob, reason: str) -> None:
+        if not job.fail(reason):
+            return
+        # Tell prefill ranks that still hold our pages to stop; they answer with a release.
+        for rank in job.leased:
+            peer = job.prefill_ranks[rank]
+            self.send(peer.zmq_endpoint, protocol.encode(
+                protocol.AbortRoom(room=job.id, rank=rank, reason=str(reason))))
+        job.lease_deadline = time.monotonic() + self.settings.lease_timeout_s
+        self._release(job)
+
+    def _release(self, job: DecodeJob) -> None:
+        """Give back what the room holds, as far as no peer or worker still uses it."""
+        if job.aux_slot is not None:
+            self.aux.free(job.aux_slot)  # aux never arrives by DMA: safe at once
+            job.aux_slot = None
+        if job.decoding or not job.pages:
+            return
+        if job.leased:
+            self.fenced[job.id] = job
+            return
+        self.fenced.pop(job.id, None)
+        self.pool.free(job.pages)
+        job.pages = []
+
+    def _check_timeouts(self, now_wall: float, now: float) -> None:
+        s = self.settings
+        for job in list(self.rooms.live.values()):
+            assert isinstance(job, DecodeJob)
+            if job.state is RoomState.WAITING_FOR_INPUT:
+                since = job.timestamps[RoomState.WAITING_FOR_INPUT.name]
+                if now_wall - since > s.waiting_timeout_s:
+                    self._fail(job, FailureReason.WAITING_TIMEOUT)
+            elif job.state is RoomState.TRANSFERRING:
+                since = job.timestamps[RoomState.TRANSFERRING.name]
+                if now_wall - since > s.transfer_timeout_s:
+                    self._fail(job, FailureReason.TRANSFER_TIMEOUT)
+        for job in list(self.fenced.values()):
+            if job.lease_deadline < now:
+                log.warning("room=%d lease expired with no answer from prefill ranks %s",
+                            job.id, sorted(job.leased), extra={"room": job.id})
+                job.leased.clear()
+                self._release(job)
+
+    async def background(self) -> None:
+        while not self._stop.is_set():
+            self._check_timeouts(time.time(), time.monotonic())
+            await asyncio.sleep(0.2)

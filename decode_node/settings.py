@@ -1,0 +1,24 @@
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+
+from shared.settings import NodeSettings
+
+
+class DecodeSettings(NodeSettings):
+    """Settings of a decode node; env prefix KVROOM_DECODE_."""
+
+    model_config = SettingsConfigDict(env_prefix="KVROOM_DECODE_", cli_prog_name="python -m decode_node")
+
+    http_port: int = Field(8200, ge=1, le=65535, description="HTTP port (health, metrics)")
+    zmq_port: int = Field(8201, ge=1, le=65535, description="ZMQ port (rank r binds zmq_port + r)")
+    aux_slots: int = Field(1024, ge=1, description="aux metadata slots, one per room in flight")
+    waiting_timeout_s: float = Field(
+        30.0, gt=0, description="seconds a room may wait for its prefill to start writing"
+    )
+    transfer_timeout_s: float = Field(
+        60.0, gt=0, description="seconds a room may spend between the first write and done+aux"
+    )
+    lease_timeout_s: float = Field(
+        60.0, gt=0,
+        description="seconds a failed room's pages stay fenced while its prefill may still write",
+    )

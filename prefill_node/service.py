@@ -1,0 +1,216 @@
+"""The prefill node: computes a room's KV, writes it into the decode node, then sends done+aux.
+
+Per room: BOOTSTRAPPING while the model runs, WAITING_FOR_INPUT until the
+decode's transfer request is in, TRANSFERRING while the engine writes, SUCCESS
+once the writes completed and the done+aux message was queued. A room that
+fails or is aborted tells its decode ranks that their pages are released.
+"""
+
+import asyncio
+import logging
+import time
+
+from prefill_node.settings import PrefillSettings
+from shared import protocol
+from shared.aux_buffers import Aux
+from shared.errors import PoolExhausted, RejectedMessage, TransferError
+from shared.node import NodeService
+from shared.room import Room
+from shared.states import FailureReason, RoomState
+from shared.transfer import TransferEngine, coalesce
+
+log = logging.getLogger(__name__)
+
+
+class PrefillJob(Room):
+    def __init__(self, msg: protocol.PrefillRoom, service: "PrefillService"):
+        super().__init__(msg.room, service.room_changed)
+        self.input_ids = msg.input_ids
+        self.decode_ranks = {peer.rank: peer for peer in msg.decode_ranks}
+        self.pages: list[int] = []
+        self.first_token = 0
+        self.logprob = 0.0
+        self.request: protocol.TransferRequest | None = None
+        self.busy = False  # the model or the engine is using the pages
+
+
+class PrefillService(NodeService):
+    role = "prefill"
+    settings: PrefillSettings
+
+    def __init__(self, settings: PrefillSettings, engine: TransferEngine | None = None):
+        super().__init__(settings, engine)
+        # Transfer requests whose room has not reached us yet: room -> (request, deadline).
+        self.early: dict[int, tuple[protocol.TransferRequest, float]] = {}
+
+    def handle(self, msg: protocol.Message, aux: memoryview | None) -> None:
+        if isinstance(msg, protocol.PrefillRoom):
+            self._on_room(msg)
+        elif isinstance(msg, protocol.TransferRequest):
+            self._on_request(msg)
+        elif isinstance(msg, protocol.AbortRoom):
+            self._on_abort(msg)
+        else:
+            raise RejectedMessage(f"a prefill node does not take {type(msg).__name__}", room=msg.room,
+                                  kind="unexpected")
+
+    # -- messages -----------------------------------------------------------------
+
+    def _check_rank(self, msg: protocol.PrefillRoom | protocol.TransferRequest | protocol.AbortRoom) -> None:
+        if msg.rank != self.rank:
+            raise RejectedMessage(f"rank {msg.rank} is not served here", room=msg.room, kind="bad_rank")
+
+    def _on_room(self, msg: protocol.PrefillRoom) -> None:
+        self._check_rank(msg)
+        if self.rooms.find(msg.room) is not None:
+            raise RejectedMessage("room already known", room=msg.room, kind="duplicate")
+        job = PrefillJob(msg, self)
+        self.rooms.add(job)
+        try:
+            job.pages = self.pool.alloc(self.layout.pages_for(len(msg.input_ids)))
+        except PoolExhausted as exc:
+            log.warning("room=%d %s", job.id, exc, extra={"room": job.id})
+            self._fail(job, FailureReason.NO_CAPACITY)
+            return
+        job.busy = True
+        self.spawn(self._compute(job))
+        early = self.early.pop(msg.room, None)
+        if early is not None:
+            self._on_request(early[0])
+
+    def _on_request(self, req: protocol.TransferRequest) -> None:
+        self._check_rank(req)
+        job = self.rooms.live.get(req.room)
+        if job is None:
+            if self.rooms.find(req.room) is not None:
+                raise RejectedMessage("transfer request for a finished room", room=req.room, kind="finished")
+            if len(self.early) >= self.settings.max_early_requests:
+                raise RejectedMessage("too many early transfer requests", room=req.room, kind="overload")
+            # The bootstrap's hand-off may still be in flight on another socket.
+            self.early[req.room] = (req, time.monotonic() + self.settings.early_request_ttl_s)
+            return
+        assert isinstance(job, PrefillJob)
+        self._validate_request(job, req)
+        job.request = req
+        if job.state is RoomState.WAITING_FOR_INPUT and not job.busy:
+            self._start_transfer(job)
+
+    def _validate_request(self, job: PrefillJob, req: protocol.TransferRequest) -> None:
+        def reject(why: str, kind: str = "invalid") -> RejectedMessage:
+            return RejectedMessage(f"transfer request: {why}", room=job.id, kind=kind)
+
+        peer = job.decode_ranks.get(req.decode_rank)
+        if peer is None:
+            raise reject(f"decode rank {req.decode_rank} is not this room's", "bad_rank")
+        if req.session_id != peer.session_id or req.aux_endpoint != peer.zmq_endpoint:
+            raise reject("sender is not the room's decode rank", "wrong_peer")
+        if job.request is not None:
+            raise reject("duplicate", "duplicate")
+        if req.page_bytes != self.layout.page_bytes:
+            raise reject(f"page of {req.page_bytes} bytes, ours are {self.layout.page_bytes}")
+        if len(req.page_indices) != len(job.pages):
+            raise reject(f"{len(req.page_indices)} pages offered, {len(job.pages)} needed")
+        if any(not 0 <= p < req.num_pages for p in req.page_indices):
+            raise reject(f"page index outside the peer's {req.num_pages} pages", "out_of_range")
+        if len(set(req.page_indices)) != len(req.page_indices):
+            raise reject("repeated page index", "out_of_range")
+
+    def _on_abort(self, msg: protocol.AbortRoom) -> None:
+        self._check_rank(msg)
+        job = self.rooms.live.get(msg.room)
+        if job is None:
+            self.early.pop(msg.room, None)
+            log.debug("room=%d abort for a room not live here", msg.room, extra={"room": msg.room})
+            return
+        assert isinstance(job, PrefillJob)
+        self._fail(job, msg.reason)
+
+    # -- work -----------------------------------------------------------------------
+
+    async def _compute(self, job: PrefillJob) -> None:
+        started = time.perf_counter()
+        try:
+            job.first_token, job.logprob = await asyncio.to_thread(
+                self.model.prefill, self.pool, job.pages, job.input_ids
+            )
+        except Exception:
+            log.exception("room=%d prefill failed", job.id, extra={"room": job.id})
+            job.busy = False
+            self._fail(job, FailureReason.PREFILL_FAILED)
+            return
+        job.busy = False
+        job.timings["prefill_s"] = time.perf_counter() - started
+        if job.state.terminal:  # aborted while the model ran
+            self._release(job)
+            return
+        job.advance(RoomState.WAITING_FOR_INPUT)
+        if job.request is not None:
+            self._start_transfer(job)
+
+    def _start_transfer(self, job: PrefillJob) -> None:
+        req = job.request
+        assert req is not None
+        job.advance(RoomState.TRANSFERRING)
+        job.busy = True
+        self.send(req.aux_endpoint, protocol.encode(
+            protocol.TransferStarted(room=job.id, rank=req.decode_rank, prefill_rank=self.rank)))
+        self.spawn(self._transfer(job, req))
+
+    async def _transfer(self, job: PrefillJob, req: protocol.TransferRequest) -> None:
+        writes = coalesce(self.pool.base_ptr, job.pages, req.kv_base_ptr, req.page_indices,
+                          self.layout.page_bytes)
+        started = time.perf_counter()
+        try:
+            written = await asyncio.to_thread(self.engine.write, req.session_id, writes)
+        except TransferError as exc:
+            log.warning("room=%d KV write failed: %s", job.id, exc, extra={"room": job.id})
+            job.busy = False
+            self._fail(job, FailureReason.TRANSFER_FAILED)
+            return
+        completed_at = time.time()
+        job.busy = False
+        elapsed = time.perf_counter() - started
+        job.timings["transfer_s"] = elapsed
+        self.metrics.transfer_bytes.inc(written)
+        self.metrics.transfer_seconds.observe(elapsed)
+        if job.state.terminal:  # aborted while the engine wrote
+            self._release(job)
+            return
+        # Done and aux in one message, queued only now that every write completed.
+        done = protocol.KvDone(
+            room=job.id, rank=req.decode_rank, prefill_rank=self.rank, aux_slot=req.aux_slot,
+            pages_written=len(req.page_indices), bytes_written=written, completed_at=completed_at,
+        )
+        aux = Aux(job.id, job.first_token, len(job.input_ids), job.logprob).pack()
+        self.send(req.aux_endpoint, protocol.encode(done, aux))
+        job.advance(RoomState.SUCCESS)
+        self._free_pages(job)
+
+    def _fail(self, job: PrefillJob, reason: str) -> None:
+        if job.fail(reason):
+            self._release(job)
+
+    def _release(self, job: PrefillJob) -> None:
+        """After a failure: free our pages and tell the decode ranks theirs are safe to reuse."""
+        if job.busy:
+            return  # the worker calls back here when it returns
+        self._free_pages(job)
+        for peer in job.decode_ranks.values():
+            self.send(peer.zmq_endpoint, protocol.encode(protocol.RoomReleased(
+                room=job.id, rank=peer.rank, prefill_rank=self.rank, reason=job.reason or "")))
+
+    def _free_pages(self, job: PrefillJob) -> None:
+        if job.pages:
+            self.pool.free(job.pages)
+            job.pages = []
+
+    async def background(self) -> None:
+        while not self._stop.is_set():
+            now = time.monotonic()
+            for room, (_, deadline) in list(self.early.items()):
+                if deadline < now:
+                    del self.early[room]
+                    self.metrics.rejected.labels("expired").inc()
+                    log.warning("room=%d transfer request expired before its room arrived", room,
+                                extra={"room": room})
+            await asyncio.sleep(0.5)

@@ -1,0 +1,17 @@
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+
+from shared.settings import NodeSettings
+
+
+class PrefillSettings(NodeSettings):
+    """Settings of a prefill node; env prefix KVROOM_PREFILL_."""
+
+    model_config = SettingsConfigDict(env_prefix="KVROOM_PREFILL_", cli_prog_name="python -m prefill_node")
+
+    http_port: int = Field(8100, ge=1, le=65535, description="HTTP port (health, metrics)")
+    zmq_port: int = Field(8101, ge=1, le=65535, description="ZMQ port (rank r binds zmq_port + r)")
+    early_request_ttl_s: float = Field(
+        10.0, gt=0, description="how long a transfer request that beat its room is kept"
+    )
+    max_early_requests: int = Field(4096, ge=1, description="cap on transfer requests kept early")

@@ -1,0 +1,1 @@
+"""What the bootstrap, prefill and decode services share."""

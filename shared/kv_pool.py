@@ -1,0 +1,62 @@
+"""A pool of KV pages in one registered memory region, with a free list."""
+
+import collections
+import logging
+
+import torch
+
+from shared.errors import PoolExhausted
+from shared.kv_layout import KVLayout
+
+log = logging.getLogger(__name__)
+
+
+class KVPool:
+    """``num_pages`` pages of ``layout.page_shape`` in one contiguous tensor.
+
+    Pages are handed out lowest-first from a FIFO free list that starts in
+    order, so a fresh pool gives consecutive runs that coalesce into few
+    transfers.
+    """
+
+    def __init__(self, layout: KVLayout, num_pages: int, device: str = "cpu"):
+        if num_pages < 1:
+            raise ValueError("a KV pool needs at least one page")
+        self.layout = layout
+        self.num_pages = num_pages
+        self.data = torch.zeros(
+            (num_pages, *layout.page_shape), dtype=layout.torch_dtype, device=device
+        )
+        self._free: collections.deque[int] = collections.deque(range(num_pages))
+        self._used: set[int] = set()
+
+    @property
+    def base_ptr(self) -> int:
+        return self.data.data_ptr()
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_pages * self.layout.page_bytes
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    def page_ptr(self, page: int) -> int:
+        if not 0 <= page < self.num_pages:
+            raise IndexError(f"page {page} outside pool of {self.num_pages}")
+        return self.base_ptr + page * self.layout.page_bytes
+
+    def alloc(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise PoolExhausted(f"need {n} pages, {len(self._free)} free")
+        pages = [self._free.popleft() for _ in range(n)]
+        self._used.update(pages)
+        return pages
+
+    def free(self, pages: list[int]) -> None:
+        for page in pages:
+            if page not in self._used:
+                raise ValueError(f"page {page} freed but not in use")
+        self._used.difference_update(pages)
+        self._free.extend(sorted(pages))

@@ -1,0 +1,56 @@
+"""Prometheus metrics; each service owns one registry (no process-global state)."""
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from shared.states import RoomState
+
+__all__ = ["CONTENT_TYPE_LATEST", "ServiceMetrics"]
+
+_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5)
+
+
+class ServiceMetrics:
+    def __init__(self, service: str):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.transitions = Counter(
+            "kvroom_room_transitions_total", "Room transitions by target state", ["state"], registry=r
+        )
+        self.failures = Counter(
+            "kvroom_room_failures_total", "Rooms ended FAILED, by reason", ["reason"], registry=r
+        )
+        self.rejected = Counter(
+            "kvroom_messages_rejected_total", "Messages dropped, by kind of fault", ["kind"], registry=r
+        )
+        self.rooms = Gauge("kvroom_rooms", "Rooms by current state", ["state"], registry=r)
+        self.transfer_bytes = Counter(
+            "kvroom_transfer_bytes_total", "KV bytes written to peers", registry=r
+        )
+        self.transfer_seconds = Histogram(
+            "kvroom_transfer_seconds", "Time to write one room's KV", registry=r,
+            buckets=_LATENCY_BUCKETS,
+        )
+        self.aux_latency = Histogram(
+            "kvroom_aux_latency_seconds",
+            "From the prefill's KV-write completion to the room's SUCCESS on decode",
+            registry=r, buckets=_LATENCY_BUCKETS,
+        )
+        Gauge("kvroom_info", "Service identity", ["service"], registry=r).labels(service).set(1)
+
+    def gauge_function(self, name: str, doc: str, fn: Callable[[], float]) -> None:
+        Gauge(name, doc, registry=self.registry).set_function(fn)
+
+    def count_states(self, states: Callable[[], list[RoomState]]) -> None:
+        """Sample rooms-by-state at scrape time from the live room table."""
+
+        def collect_for(state: RoomState) -> Callable[[], float]:
+            return lambda: float(sum(1 for s in states() if s is state))
+
+        for state in RoomState:
+            self.rooms.labels(state.name).set_function(collect_for(state))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

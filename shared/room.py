@@ -1,0 +1,74 @@
+"""A room's state on one service: the only place a state is changed."""
+
+import collections
+import logging
+import time
+from collections.abc import Callable
+
+from shared.states import FailureReason, RoomState, check_transition
+
+log = logging.getLogger(__name__)
+
+
+class Room:
+    def __init__(self, room_id: int, on_change: Callable[["Room"], None]):
+        self.id = room_id
+        self.state = RoomState.BOOTSTRAPPING
+        self.reason: str | None = None
+        self.timestamps: dict[str, float] = {RoomState.BOOTSTRAPPING.name: time.time()}
+        self.timings: dict[str, float] = {}
+        self.output_ids: list[int] | None = None
+        self._on_change = on_change
+        log.info("room=%d %s", room_id, self.state.name, extra={"room": room_id})
+
+    def advance(self, new: RoomState, reason: str | None = None) -> None:
+        """Move to ``new`` if the table allows it; IllegalTransition otherwise."""
+        self.state = check_transition(self.id, self.state, new)
+        self.reason = reason
+        self.timestamps[new.name] = time.time()
+        if reason:
+            log.info("room=%d %s reason=%s", self.id, new.name, reason, extra={"room": self.id})
+        else:
+            log.info("room=%d %s", self.id, new.name, extra={"room": self.id})
+        self._on_change(self)
+
+    def fail(self, reason: FailureReason | str) -> bool:
+        """End the room FAILED unless it already ended; True if this call ended it."""
+        if self.state.terminal:
+            return False
+        self.advance(RoomState.FAILED, str(reason))
+        return True
+
+    def view(self) -> dict[str, object]:
+        return {
+            "room": self.id,
+            "state": self.state.name,
+            "reason": self.reason,
+            "timestamps": self.timestamps,
+            "timings": self.timings,
+            "output_ids": self.output_ids,
+        }
+
+
+class RoomTable:
+    """Live rooms, plus a bounded memory of finished ones for late messages and lookups."""
+
+    def __init__(self, remember: int = 4096):
+        self.live: dict[int, Room] = {}
+        self.finished: collections.OrderedDict[int, Room] = collections.OrderedDict()
+        self._remember = remember
+
+    def add(self, room: Room) -> None:
+        self.live[room.id] = room
+
+    def retire(self, room: Room) -> None:
+        self.live.pop(room.id, None)
+        self.finished[room.id] = room
+        while len(self.finished) > self._remember:
+            self.finished.popitem(last=False)
+
+    def find(self, room_id: int) -> Room | None:
+        return self.live.get(room_id) or self.finished.get(room_id)
+
+    def states(self) -> list[RoomState]:
+        return [room.state for room in self.live.values()]

@@ -1,0 +1,60 @@
+"""Room states, failure reasons and the one transition table."""
+
+import enum
+import logging
+
+from shared.errors import IllegalTransition
+
+log = logging.getLogger(__name__)
+
+
+class RoomState(enum.IntEnum):
+    """Ordered so that the state all ranks agree on is the minimum over ranks."""
+
+    FAILED = 0
+    BOOTSTRAPPING = 1
+    WAITING_FOR_INPUT = 2
+    TRANSFERRING = 3
+    SUCCESS = 4
+
+    @property
+    def terminal(self) -> bool:
+        return self in (RoomState.FAILED, RoomState.SUCCESS)
+
+
+class FailureReason(enum.StrEnum):
+    ABORTED = "aborted"
+    PEER_LOST = "peer_lost"
+    BOOTSTRAP_TIMEOUT = "bootstrap_timeout"
+    WAITING_TIMEOUT = "waiting_timeout"
+    TRANSFER_TIMEOUT = "transfer_timeout"
+    AUX_TIMEOUT = "aux_timeout"
+    AUX_INVALID = "aux_invalid"
+    TRANSFER_FAILED = "transfer_failed"
+    NO_CAPACITY = "no_capacity"
+    PREFILL_FAILED = "prefill_failed"
+    DECODE_FAILED = "decode_failed"
+    INVALID_REQUEST = "invalid_request"
+
+
+S = RoomState
+TRANSITIONS: dict[RoomState, frozenset[RoomState]] = {
+    S.BOOTSTRAPPING: frozenset({S.WAITING_FOR_INPUT, S.FAILED}),
+    S.WAITING_FOR_INPUT: frozenset({S.TRANSFERRING, S.FAILED}),
+    S.TRANSFERRING: frozenset({S.SUCCESS, S.FAILED}),
+    S.SUCCESS: frozenset(),
+    S.FAILED: frozenset(),
+}
+
+
+def check_transition(room: int, current: RoomState, new: RoomState) -> RoomState:
+    """Return ``new`` if the table allows ``current -> new``, else raise IllegalTransition."""
+    if new not in TRANSITIONS[current]:
+        log.warning("room=%d illegal transition %s -> %s", room, current.name, new.name)
+        raise IllegalTransition(room, current, new)
+    return new
+
+
+def agreed_state(states: list[RoomState]) -> RoomState:
+    """The state every rank can stand behind: no rank proceeds alone."""
+    return min(states)

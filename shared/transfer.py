@@ -1,0 +1,163 @@
+"""The transfer engine interface, its Mooncake implementation and a fake for unit tests."""
+
+import abc
+import ctypes
+import logging
+import os
+from collections.abc import Iterable
+from typing import Literal
+
+from shared.errors import TransferError
+
+log = logging.getLogger(__name__)
+
+Transport = Literal["tcp", "rdma", "nvlink"]
+# One TCP batch of a few thousand entries fails or wedges the peer; stay far below.
+MAX_BATCH_ENTRIES = 512
+
+Write = tuple[int, int, int]  # (source address, destination address, length)
+
+
+def coalesce(
+    src_base: int, src_pages: list[int], dst_base: int, dst_pages: list[int], page_bytes: int
+) -> list[Write]:
+    """One write per run of pages that is consecutive on both sides."""
+    if len(src_pages) != len(dst_pages):
+        raise ValueError("source and destination page lists differ in length")
+    writes: list[Write] = []
+    run_start = 0
+    for i in range(1, len(src_pages) + 1):
+        if (
+            i == len(src_pages)
+            or src_pages[i] != src_pages[i - 1] + 1
+            or dst_pages[i] != dst_pages[i - 1] + 1
+        ):
+            n = i - run_start
+            writes.append(
+                (
+                    src_base + src_pages[run_start] * page_bytes,
+                    dst_base + dst_pages[run_start] * page_bytes,
+                    n * page_bytes,
+                )
+            )
+            run_start = i
+    return writes
+
+
+def engine_environment(transport: Transport) -> dict[str, str]:
+    """Environment the engine reads at start-up to pick its transport.
+
+    The engine discovers the transport from these variables, not from the
+    protocol argument, so they are set explicitly for every choice.
+    """
+    env = {"MC_FORCE_TCP": "0", "MC_INTRANODE_NVLINK": "0"}
+    if transport == "tcp":
+        env["MC_FORCE_TCP"] = "1"
+    elif transport == "nvlink":
+        env["MC_INTRANODE_NVLINK"] = "1"
+    return env
+
+
+class TransferEngine(abc.ABC):
+    """Moves bytes from local registered memory into a peer's registered memory."""
+
+    @property
+    @abc.abstractmethod
+    def session_id(self) -> str:
+        """``host:port`` under which peers reach this engine."""
+
+    @abc.abstractmethod
+    def register(self, ptr: int, nbytes: int) -> None:
+        """Make ``[ptr, ptr + nbytes)`` a source or destination of transfers.
+
+        Raises TransferError if the engine refuses the region.
+        """
+
+    @abc.abstractmethod
+    def write(self, peer_session: str, writes: Iterable[Write]) -> int:
+        """Write every ``(src, dst, length)`` into the peer; blocks until all completed.
+
+        Returns the bytes written. Raises TransferError if any write failed; the
+        destination may then hold a partial copy. Must not run on an event loop.
+        """
+
+    def close(self) -> None:
+        """Release the engine's resources; further calls are undefined."""
+
+
+class MooncakeEngine(TransferEngine):
+    def __init__(
+        self,
+        hostname: str,
+        transport: Transport = "tcp",
+        rdma_devices: str = "",
+        advertise_host: str | None = None,
+    ):
+        os.environ.update(engine_environment(transport))
+        try:
+            from mooncake.engine import TransferEngine as _Engine
+        except ImportError as exc:
+            raise TransferError("the mooncake transfer engine is not installed") from exc
+        self._engine = _Engine()
+        rc = self._engine.initialize(hostname, "P2PHANDSHAKE", transport, rdma_devices)
+        if rc != 0:
+            raise TransferError(f"engine initialize({hostname}, {transport}) returned {rc}")
+        self._session_id = f"{advertise_host or hostname}:{self._engine.get_rpc_port()}"
+
+    @property
+    def session_id(self) -> str:
+        return self._session_id
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        rc = self._engine.register_memory(ptr, nbytes)
+        if rc != 0:
+            raise TransferError(f"register_memory({ptr:#x}, {nbytes}) returned {rc}")
+
+    def write(self, peer_session: str, writes: Iterable[Write]) -> int:
+        batch = list(writes)
+        total = 0
+        for start in range(0, len(batch), MAX_BATCH_ENTRIES):
+            chunk = batch[start : start + MAX_BATCH_ENTRIES]
+            src, dst, lengths = (list(col) for col in zip(*chunk, strict=True))
+            if len(chunk) == 1:
+                rc = self._engine.transfer_sync_write(peer_session, src[0], dst[0], lengths[0])
+            else:
+                rc = self._engine.batch_transfer_sync_write(peer_session, src, dst, lengths)
+            if rc != 0:
+                raise TransferError(f"write of {len(chunk)} entries to {peer_session} returned {rc}")
+            total += sum(lengths)
+        return total
+
+
+class FakeEngine(TransferEngine):
+    """In-process memmove between regions registered in one shared directory.
+
+    For unit tests of the logic above the engine only; it proves nothing about
+    real transfers.
+    """
+
+    def __init__(self, name: str, directory: dict[str, list[tuple[int, int]]]):
+        self._name = name
+        self._directory = directory
+        directory.setdefault(name, [])
+        self.writes: list[Write] = []
+
+    @property
+    def session_id(self) -> str:
+        return self._name
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        self._directory[self._name].append((ptr, nbytes))
+
+    def write(self, peer_session: str, writes: Iterable[Write]) -> int:
+        regions = self._directory.get(peer_session)
+        if regions is None:
+            raise TransferError(f"unknown peer {peer_session}")
+        total = 0
+        for src, dst, length in writes:
+            if not any(base <= dst and dst + length <= base + size for base, size in regions):
+                raise TransferError(f"{dst:#x}+{length} outside the peer's registered memory")
+            ctypes.memmove(dst, src, length)
+            self.writes.append((src, dst, length))
+            total += length
+        return total

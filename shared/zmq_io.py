@@ -1,0 +1,52 @@
+"""Outbound ZMQ: one PUSH socket per peer endpoint, sends that never block the loop."""
+
+import logging
+
+import zmq
+import zmq.asyncio
+
+log = logging.getLogger(__name__)
+
+# A frame past this is dropped by ZMQ itself, before Python sees it.
+MAX_MESSAGE_BYTES = 4 << 20
+SEND_HWM = 100_000
+
+
+class PushSockets:
+    def __init__(self, context: zmq.asyncio.Context):
+        self._context = context
+        self._sockets: dict[str, zmq.asyncio.Socket] = {}
+
+    def send(self, endpoint: str, frames: list[bytes]) -> bool:
+        """Queue a message to ``endpoint``; False if it could not be queued."""
+        sock = self._sockets.get(endpoint)
+        if sock is None:
+            sock = self._context.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+            sock.connect(endpoint)
+            self._sockets[endpoint] = sock
+        try:
+            sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as exc:
+            log.warning("could not queue a message to %s: %s", endpoint, exc)
+            return False
+        return True
+
+    def forget(self, endpoint: str) -> None:
+        sock = self._sockets.pop(endpoint, None)
+        if sock is not None:
+            sock.close(0)
+
+    def close(self) -> None:
+        for sock in self._sockets.values():
+            sock.close(0)
+        self._sockets.clear()
+
+
+def bind_pull(context: zmq.asyncio.Context, endpoint: str) -> zmq.asyncio.Socket:
+    sock = context.socket(zmq.PULL)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+    sock.bind(endpoint)
+    return sock
