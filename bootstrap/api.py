@@ -1,7 +1,7 @@
 """The bootstrap's REST API: thin routers over the Cluster."""
 
 import asyncio
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response
 from pydantic import BaseModel, Field, model_validator
@@ -21,6 +21,7 @@ def get_cluster(request: Request) -> Cluster:
 
 ClusterDep = Annotated[Cluster, Depends(get_cluster)]
 VOCAB = ModelConfig().vocab_size
+StateName = Literal["FAILED", "BOOTSTRAPPING", "WAITING_FOR_INPUT", "TRANSFERRING", "SUCCESS"]
 
 
 class RoomRequest(BaseModel):
@@ -111,10 +112,11 @@ async def get_room(
 @rooms.get("/rooms")
 async def list_rooms(
     cluster: ClusterDep,
-    state: RoomState | None = None,
+    state: Annotated[StateName | None, Query(description="only rooms in this state")] = None,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 100,
 ) -> list[dict[str, Any]]:
-    found = [r for r in reversed(cluster.book.rooms.values()) if state is None or r.state is state]
+    wanted = RoomState[state] if state else None
+    found = [r for r in reversed(cluster.book.rooms.values()) if wanted is None or r.state is wanted]
     return [r.view() for r in found[:limit]]
 
 

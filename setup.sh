@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Installs what kvroom needs on a fresh Debian or Ubuntu host:
+# the system package libibverbs1 (the transfer engine loads it) and a virtualenv in .venv.
+# Usage: bash setup.sh [EXTRAS]   (EXTRAS default "cpu"; "cpu,dev" adds the test tools)
+set -euo pipefail
+cd "$(dirname "$0")"
+extras="${1:-cpu}"
+sudo=""
+[ "$(id -u)" -ne 0 ] && sudo="sudo"
+if ! dpkg -s libibverbs1 >/dev/null 2>&1; then
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq libibverbs1 >/dev/null
+fi
+python=$(command -v python3.11 || command -v python3)
+[ -x .venv/bin/python ] || "$python" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+# torch is pinned to 2.13.0: an unpinned torch pulls a multi-GB CUDA build.
+.venv/bin/python -m pip install -q -e ".[$extras]"

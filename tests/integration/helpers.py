@@ -1,0 +1,42 @@
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from shared.local_stack import Service
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+
+
+def node_room(service: Service, room: int) -> dict[str, Any] | None:
+    resp = httpx.get(f"{service.url}/rooms/{room}", timeout=5.0)
+    return resp.json() if resp.status_code == 200 else None
+
+
+def metric(service: Service, name: str, labels: str = "") -> float:
+    """The value of one sample from the service's /metrics, 0 if absent."""
+    text = httpx.get(f"{service.url}/metrics", timeout=5.0).text
+    key = f"{name}{{{labels}}}" if labels else name
+    for line in text.splitlines():
+        if line.startswith(key + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def pools_full(*services: Service) -> bool:
+    for service in services:
+        h = service.health()
+        if h["free_pages"] != h["total_pages"] or h.get("free_aux_slots") != h.get("total_aux_slots"):
+            return False
+        if h["rooms_in_flight"]:
+            return False
+    return True

@@ -1,0 +1,46 @@
+import itertools
+
+import pytest
+
+from shared.errors import IllegalTransition
+from shared.states import TRANSITIONS, RoomState, agreed_state, check_transition
+
+S = RoomState
+LEGAL = {
+    (S.BOOTSTRAPPING, S.WAITING_FOR_INPUT),
+    (S.BOOTSTRAPPING, S.FAILED),
+    (S.WAITING_FOR_INPUT, S.TRANSFERRING),
+    (S.WAITING_FOR_INPUT, S.FAILED),
+    (S.TRANSFERRING, S.SUCCESS),
+    (S.TRANSFERRING, S.FAILED),
+}
+
+
+def test_order_matches_the_poll_enum():
+    assert [int(s) for s in (S.FAILED, S.BOOTSTRAPPING, S.WAITING_FOR_INPUT, S.TRANSFERRING, S.SUCCESS)] == [
+        0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize(("current", "new"), list(itertools.product(S, S)))
+def test_every_pair(current, new):
+    if (current, new) in LEGAL:
+        assert check_transition(7, current, new) is new
+    else:
+        with pytest.raises(IllegalTransition) as info:
+            check_transition(7, current, new)
+        assert info.value.room == 7
+
+
+def test_table_is_exactly_the_legal_set():
+    assert {(a, b) for a, targets in TRANSITIONS.items() for b in targets} == LEGAL
+
+
+def test_terminal_states_absorb():
+    assert S.SUCCESS.terminal and S.FAILED.terminal
+    assert not TRANSITIONS[S.SUCCESS] and not TRANSITIONS[S.FAILED]
+
+
+def test_ranks_agree_on_the_minimum():
+    assert agreed_state([S.SUCCESS, S.TRANSFERRING, S.SUCCESS]) is S.TRANSFERRING
+    assert agreed_state([S.SUCCESS, S.FAILED]) is S.FAILED
+    assert agreed_state([S.SUCCESS]) is S.SUCCESS
