@@ -1,6 +1,7 @@
 """The bootstrap's REST API: thin routers over the Cluster."""
 
 import asyncio
+import contextlib
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response
@@ -102,10 +103,8 @@ async def get_room(
     if wait > cluster.settings.max_wait_s:
         raise HTTPException(422, f"wait above {cluster.settings.max_wait_s}s")
     if wait and not record.finished.is_set():
-        try:
+        with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(record.finished.wait(), wait)
-        except TimeoutError:
-            pass
     return record.view()
 
 

@@ -32,7 +32,8 @@ class Cluster:
         self.metrics.count_states(lambda: [r.state for r in self.book.rooms.values()])
         for role in ("prefill", "decode"):
             self.metrics.gauge_function(
-                f"kvroom_live_{role}_nodes", f"Live {role} nodes",
+                f"kvroom_live_{role}_nodes",
+                f"Live {role} nodes",
                 lambda role=role: self.registry.live_count(role),  # type: ignore[misc]
             )
         self.zmq = zmq.asyncio.Context()
@@ -73,17 +74,42 @@ class Cluster:
         record = RoomRecord(self.book.new_id(), input_ids, max_new_tokens, prefill, decode)
         self.book.add(record)
         self.metrics.transitions.labels(RoomState.BOOTSTRAPPING.name).inc()
-        log.info("room=%d placed prefill=%s decode=%s tokens=%d", record.id, prefill.id, decode.id,
-                 len(input_ids), extra={"room": record.id})
+        log.info(
+            "room=%d placed prefill=%s decode=%s tokens=%d",
+            record.id,
+            prefill.id,
+            decode.id,
+            len(input_ids),
+            extra={"room": record.id},
+        )
         sent = all(
-            self.push.send(peer.zmq_endpoint, protocol.encode(protocol.PrefillRoom(
-                room=record.id, rank=peer.rank, input_ids=input_ids,
-                decode_node=decode.id, decode_ranks=decode.peers)))
+            self.push.send(
+                peer.zmq_endpoint,
+                protocol.encode(
+                    protocol.PrefillRoom(
+                        room=record.id,
+                        rank=peer.rank,
+                        input_ids=input_ids,
+                        decode_node=decode.id,
+                        decode_ranks=decode.peers,
+                    )
+                ),
+            )
             for peer in prefill.peers
         ) and all(
-            self.push.send(peer.zmq_endpoint, protocol.encode(protocol.DecodeRoom(
-                room=record.id, rank=peer.rank, prompt_len=len(input_ids),
-                max_new_tokens=max_new_tokens, prefill_node=prefill.id, prefill_ranks=prefill.peers)))
+            self.push.send(
+                peer.zmq_endpoint,
+                protocol.encode(
+                    protocol.DecodeRoom(
+                        room=record.id,
+                        rank=peer.rank,
+                        prompt_len=len(input_ids),
+                        max_new_tokens=max_new_tokens,
+                        prefill_node=prefill.id,
+                        prefill_ranks=prefill.peers,
+                    )
+                ),
+            )
             for peer in decode.peers
         )
         if not sent:
@@ -104,8 +130,10 @@ class Cluster:
 
     def _abort_on(self, node: Node, record: RoomRecord, reason: str) -> None:
         for peer in node.peers:
-            self.push.send(peer.zmq_endpoint, protocol.encode(
-                protocol.AbortRoom(room=record.id, rank=peer.rank, reason=reason)))
+            self.push.send(
+                peer.zmq_endpoint,
+                protocol.encode(protocol.AbortRoom(room=record.id, rank=peer.rank, reason=reason)),
+            )
 
     def _count_end(self, record: RoomRecord) -> None:
         self.metrics.transitions.labels(record.state.name).inc()
@@ -116,8 +144,12 @@ class Cluster:
         record = self.book.rooms.get(report.room)
         if record is None or report.node_id not in (record.prefill.id, record.decode.id):
             self.metrics.rejected.labels("unknown_room").inc()
-            log.warning("room=%d report from %s for a room it does not hold", report.room, report.node_id,
-                        extra={"room": report.room})
+            log.warning(
+                "room=%d report from %s for a room it does not hold",
+                report.room,
+                report.node_id,
+                extra={"room": report.room},
+            )
             return
         was_terminal = record.state.terminal
         for node in self.book.apply(record, report):
@@ -156,5 +188,3 @@ class Cluster:
     def close(self) -> None:
         self.push.close()
         self.zmq.term()
-
-

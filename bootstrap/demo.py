@@ -45,9 +45,9 @@ def prompts(n: int) -> list[str]:
 
 async def run_rooms(base_url: str, texts: list[str], max_new_tokens: int) -> list[dict[str, Any]]:
     async with httpx.AsyncClient(base_url=base_url, timeout=120.0) as client:
-        created = await asyncio.gather(*(
-            client.post("/rooms", json={"prompt": t, "max_new_tokens": max_new_tokens}) for t in texts
-        ))
+        created = await asyncio.gather(
+            *(client.post("/rooms", json={"prompt": t, "max_new_tokens": max_new_tokens}) for t in texts)
+        )
         for resp in created:
             resp.raise_for_status()
         rooms = [resp.json()["room"] for resp in created]
@@ -59,8 +59,11 @@ async def run_rooms(base_url: str, texts: list[str], max_new_tokens: int) -> lis
                 body: dict[str, Any] = (await client.get(f"/rooms/{room}", params={"wait": 30})).json()
                 if body["finished"]:
                     done += 1
-                    print(f"[{done:3d}/{len(rooms)}] room {room} {body['state']}"
-                          f"{' ' + body['reason'] if body['reason'] else ''}", flush=True)
+                    print(
+                        f"[{done:3d}/{len(rooms)}] room {room} {body['state']}"
+                        f"{' ' + body['reason'] if body['reason'] else ''}",
+                        flush=True,
+                    )
                     return body
 
         return await asyncio.gather(*(wait(room) for room in rooms))
@@ -88,17 +91,21 @@ def main(argv: list[str] | None = None) -> int:
         elapsed = time.perf_counter() - started
     print(f"all rooms finished in {elapsed:.2f}s; checking against the colocated run", flush=True)
     model = ReferenceModel()
-    print(f"\n{'room':>20} {'prompt':>6} {'new':>4} {'state':>8} {'prefill ms':>10} "
-          f"{'xfer ms':>8} {'decode ms':>9}  match")
+    print(
+        f"\n{'room':>20} {'prompt':>6} {'new':>4} {'state':>8} {'prefill ms':>10} "
+        f"{'xfer ms':>8} {'decode ms':>9}  match"
+    )
     ok = 0
     for text, body in zip(texts, results, strict=True):
         expected = generate(model, encode_text(text), args.max_new_tokens)
         match = body["state"] == "SUCCESS" and body["output_ids"] == expected
         ok += match
         t = body["timings"]
-        print(f"{body['room']:>20} {body['prompt_tokens']:>6} {len(body['output_ids'] or []):>4} "
-              f"{body['state']:>8} {ms(t, 'prefill_s'):>10} {ms(t, 'transfer_s'):>8} "
-              f"{ms(t, 'decode_s'):>9}  {'yes' if match else 'NO'}")
+        print(
+            f"{body['room']:>20} {body['prompt_tokens']:>6} {len(body['output_ids'] or []):>4} "
+            f"{body['state']:>8} {ms(t, 'prefill_s'):>10} {ms(t, 'transfer_s'):>8} "
+            f"{ms(t, 'decode_s'):>9}  {'yes' if match else 'NO'}"
+        )
     print(f"\n{ok}/{len(texts)} rooms SUCCESS with output equal to the colocated run")
     return 0 if ok == len(texts) else 1
 

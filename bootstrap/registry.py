@@ -90,7 +90,9 @@ class NodeRegistry:
             if other.alive and other.id != reg.node_id and other.reg.role != reg.role:
                 reason = layout.mismatch(other.layout)
                 if reason:
-                    raise LayoutConflict(f"KV layout does not match {other.reg.role} node {other.id}: {reason}")
+                    raise LayoutConflict(
+                        f"KV layout does not match {other.reg.role} node {other.id}: {reason}"
+                    )
         previous = self.nodes.get(reg.node_id)
         node = Node(reg)
         self.nodes[reg.node_id] = node

@@ -36,8 +36,9 @@ class RoomRecord:
         self.state = check_transition(self.id, self.state, new)
         self.reason = reason
         self.timestamps[new.name] = ts or time.time()
-        log.info("room=%d %s%s", self.id, new.name, f" reason={reason}" if reason else "",
-                 extra={"room": self.id})
+        log.info(
+            "room=%d %s%s", self.id, new.name, f" reason={reason}" if reason else "", extra={"room": self.id}
+        )
 
     def view(self) -> dict[str, object]:
         return {
@@ -49,8 +50,14 @@ class RoomRecord:
             "max_new_tokens": self.max_new_tokens,
             "output_ids": self.output_ids,
             "text": decode_text(self.output_ids) if self.output_ids is not None else None,
-            "prefill": {"node_id": self.prefill.id, "session_ids": [r.session_id for r in self.prefill.reg.ranks]},
-            "decode": {"node_id": self.decode.id, "session_ids": [r.session_id for r in self.decode.reg.ranks]},
+            "prefill": {
+                "node_id": self.prefill.id,
+                "session_ids": [r.session_id for r in self.prefill.reg.ranks],
+            },
+            "decode": {
+                "node_id": self.decode.id,
+                "session_ids": [r.session_id for r in self.decode.reg.ranks],
+            },
             "node_states": self.node_states,
             "timestamps": self.timestamps,
             "timings": self.timings,

@@ -76,32 +76,36 @@ class DecodeService(NodeService):
         elif isinstance(msg, protocol.AbortRoom):
             self._on_abort(msg)
         else:
-            raise RejectedMessage(f"a decode node does not take {type(msg).__name__}", room=msg.room,
-                                  kind="unexpected")
+            raise RejectedMessage(
+                f"a decode node does not take {type(msg).__name__}", room=msg.room, kind="unexpected"
+            )
 
     # -- messages -----------------------------------------------------------------
 
-    def _job_for(self, msg: protocol.Message, prefill_rank: int | None = None) -> DecodeJob:
-        """The live room a peer message addresses, after every check that needs no room data."""
-        if msg.rank != self.rank:  # type: ignore[union-attr]
-            raise RejectedMessage(f"rank {msg.rank} is not served here", room=msg.room,  # type: ignore[union-attr]
-                                  kind="bad_rank")
-        job = self.rooms.live.get(msg.room)
+    def _check_rank(self, rank: int, room: int) -> None:
+        if rank != self.rank:
+            raise RejectedMessage(f"rank {rank} is not served here", room=room, kind="bad_rank")
+
+    def _job_for(self, room: int, rank: int, prefill_rank: int) -> DecodeJob:
+        """The live room a prefill message addresses, after the checks that need no room data."""
+        self._check_rank(rank, room)
+        job = self.rooms.live.get(room)
         if job is None:
-            known = self.rooms.find(msg.room) is not None
+            known = self.rooms.find(room) is not None
             raise RejectedMessage(
-                f"{type(msg).__name__} for a {'finished' if known else 'unknown'} room",
-                room=msg.room, kind="finished" if known else "unknown_room",
+                f"message for a {'finished' if known else 'unknown'} room",
+                room=room,
+                kind="finished" if known else "unknown_room",
             )
         assert isinstance(job, DecodeJob)
-        if prefill_rank is not None and prefill_rank not in job.prefill_ranks:
-            raise RejectedMessage(f"prefill rank {prefill_rank} is not this room's", room=msg.room,
-                                  kind="bad_rank")
+        if prefill_rank not in job.prefill_ranks:
+            raise RejectedMessage(
+                f"prefill rank {prefill_rank} is not this room's", room=room, kind="bad_rank"
+            )
         return job
 
     def _on_room(self, msg: protocol.DecodeRoom) -> None:
-        if msg.rank != self.rank:
-            raise RejectedMessage(f"rank {msg.rank} is not served here", room=msg.room, kind="bad_rank")
+        self._check_rank(msg.rank, msg.room)
         if self.rooms.find(msg.room) is not None:
             raise RejectedMessage("room already known", room=msg.room, kind="duplicate")
         job = DecodeJob(msg, self)
@@ -116,10 +120,15 @@ class DecodeService(NodeService):
         kv_pages = job.pages[: self.layout.pages_for(msg.prompt_len)]
         for peer in job.prefill_ranks.values():
             request = protocol.TransferRequest(
-                room=job.id, rank=peer.rank, decode_rank=self.rank,
-                session_id=self.engine.session_id, kv_base_ptr=self.pool.base_ptr,
-                num_pages=self.pool.num_pages, page_bytes=self.layout.page_bytes,
-                page_indices=kv_pages, aux_slot=job.aux_slot,
+                room=job.id,
+                rank=peer.rank,
+                decode_rank=self.rank,
+                session_id=self.engine.session_id,
+                kv_base_ptr=self.pool.base_ptr,
+                num_pages=self.pool.num_pages,
+                page_bytes=self.layout.page_bytes,
+                page_indices=kv_pages,
+                aux_slot=job.aux_slot,
                 aux_endpoint=self.settings.public_zmq_endpoint(self.rank),
             )
             if not self.send(peer.zmq_endpoint, protocol.encode(request)):
@@ -130,19 +139,21 @@ class DecodeService(NodeService):
         job.advance(RoomState.WAITING_FOR_INPUT)
 
     def _on_started(self, msg: protocol.TransferStarted) -> None:
-        job = self._job_for(msg, msg.prefill_rank)
+        job = self._job_for(msg.room, msg.rank, msg.prefill_rank)
         if job.state is RoomState.WAITING_FOR_INPUT:
             job.advance(RoomState.TRANSFERRING)
 
     def _on_done(self, msg: protocol.KvDone, record: memoryview) -> None:
-        job = self._job_for(msg, msg.prefill_rank)
+        job = self._job_for(msg.room, msg.rank, msg.prefill_rank)
         if msg.prefill_rank not in job.pending:
-            raise RejectedMessage(f"duplicate done from prefill rank {msg.prefill_rank}", room=job.id,
-                                  kind="duplicate")
+            raise RejectedMessage(
+                f"duplicate done from prefill rank {msg.prefill_rank}", room=job.id, kind="duplicate"
+            )
         if msg.aux_slot != job.aux_slot:
             # Bounds and ownership checked before anything is copied.
-            raise RejectedMessage(f"aux slot {msg.aux_slot} is not this room's", room=job.id,
-                                  kind="out_of_range")
+            raise RejectedMessage(
+                f"aux slot {msg.aux_slot} is not this room's", room=job.id, kind="out_of_range"
+            )
         job.pending.discard(msg.prefill_rank)
         job.leased.discard(msg.prefill_rank)
         expected_pages = self.layout.pages_for(job.prompt_len)
@@ -167,12 +178,10 @@ class DecodeService(NodeService):
         self.spawn(self._decode(job, aux.first_token))
 
     def _on_released(self, msg: protocol.RoomReleased) -> None:
-        if msg.rank != self.rank:
-            raise RejectedMessage(f"rank {msg.rank} is not served here", room=msg.room, kind="bad_rank")
-        job = self.rooms.live.get(msg.room) or self.fenced.get(msg.room)
-        if job is None or msg.prefill_rank not in job.leased:
+        self._check_rank(msg.rank, msg.room)
+        job = self.fenced.get(msg.room) or self.rooms.live.get(msg.room)
+        if not isinstance(job, DecodeJob) or msg.prefill_rank not in job.leased:
             raise RejectedMessage("release for a room holding no lease", room=msg.room, kind="unknown_room")
-        assert isinstance(job, DecodeJob)
         job.leased.discard(msg.prefill_rank)
         job.pending.discard(msg.prefill_rank)
         # The prefill gave the room up: it cannot succeed any more.
@@ -210,8 +219,10 @@ class DecodeService(NodeService):
         # Tell prefill ranks that still hold our pages to stop; they answer with a release.
         for rank in job.leased:
             peer = job.prefill_ranks[rank]
-            self.send(peer.zmq_endpoint, protocol.encode(
-                protocol.AbortRoom(room=job.id, rank=rank, reason=str(reason))))
+            self.send(
+                peer.zmq_endpoint,
+                protocol.encode(protocol.AbortRoom(room=job.id, rank=rank, reason=str(reason))),
+            )
         job.lease_deadline = time.monotonic() + self.settings.lease_timeout_s
         self._release(job)
 
@@ -243,8 +254,12 @@ class DecodeService(NodeService):
                     self._fail(job, FailureReason.TRANSFER_TIMEOUT)
         for job in list(self.fenced.values()):
             if job.lease_deadline < now:
-                log.warning("room=%d lease expired with no answer from prefill ranks %s",
-                            job.id, sorted(job.leased), extra={"room": job.id})
+                log.warning(
+                    "room=%d lease expired with no answer from prefill ranks %s",
+                    job.id,
+                    sorted(job.leased),
+                    extra={"room": job.id},
+                )
                 job.leased.clear()
                 self._release(job)
 

@@ -19,6 +19,7 @@ class DecodeSettings(NodeSettings):
         60.0, gt=0, description="seconds a room may spend between the first write and done+aux"
     )
     lease_timeout_s: float = Field(
-        60.0, gt=0,
+        60.0,
+        gt=0,
         description="seconds a failed room's pages stay fenced while its prefill may still write",
     )

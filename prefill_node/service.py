@@ -51,8 +51,9 @@ class PrefillService(NodeService):
         elif isinstance(msg, protocol.AbortRoom):
             self._on_abort(msg)
         else:
-            raise RejectedMessage(f"a prefill node does not take {type(msg).__name__}", room=msg.room,
-                                  kind="unexpected")
+            raise RejectedMessage(
+                f"a prefill node does not take {type(msg).__name__}", room=msg.room, kind="unexpected"
+            )
 
     # -- messages -----------------------------------------------------------------
 
@@ -152,13 +153,18 @@ class PrefillService(NodeService):
         assert req is not None
         job.advance(RoomState.TRANSFERRING)
         job.busy = True
-        self.send(req.aux_endpoint, protocol.encode(
-            protocol.TransferStarted(room=job.id, rank=req.decode_rank, prefill_rank=self.rank)))
+        self.send(
+            req.aux_endpoint,
+            protocol.encode(
+                protocol.TransferStarted(room=job.id, rank=req.decode_rank, prefill_rank=self.rank)
+            ),
+        )
         self.spawn(self._transfer(job, req))
 
     async def _transfer(self, job: PrefillJob, req: protocol.TransferRequest) -> None:
-        writes = coalesce(self.pool.base_ptr, job.pages, req.kv_base_ptr, req.page_indices,
-                          self.layout.page_bytes)
+        writes = coalesce(
+            self.pool.base_ptr, job.pages, req.kv_base_ptr, req.page_indices, self.layout.page_bytes
+        )
         started = time.perf_counter()
         try:
             written = await asyncio.to_thread(self.engine.write, req.session_id, writes)
@@ -178,8 +184,13 @@ class PrefillService(NodeService):
             return
         # Done and aux in one message, queued only now that every write completed.
         done = protocol.KvDone(
-            room=job.id, rank=req.decode_rank, prefill_rank=self.rank, aux_slot=req.aux_slot,
-            pages_written=len(req.page_indices), bytes_written=written, completed_at=completed_at,
+            room=job.id,
+            rank=req.decode_rank,
+            prefill_rank=self.rank,
+            aux_slot=req.aux_slot,
+            pages_written=len(req.page_indices),
+            bytes_written=written,
+            completed_at=completed_at,
         )
         aux = Aux(job.id, job.first_token, len(job.input_ids), job.logprob).pack()
         self.send(req.aux_endpoint, protocol.encode(done, aux))
@@ -196,8 +207,14 @@ class PrefillService(NodeService):
             return  # the worker calls back here when it returns
         self._free_pages(job)
         for peer in job.decode_ranks.values():
-            self.send(peer.zmq_endpoint, protocol.encode(protocol.RoomReleased(
-                room=job.id, rank=peer.rank, prefill_rank=self.rank, reason=job.reason or "")))
+            self.send(
+                peer.zmq_endpoint,
+                protocol.encode(
+                    protocol.RoomReleased(
+                        room=job.id, rank=peer.rank, prefill_rank=self.rank, reason=job.reason or ""
+                    )
+                ),
+            )
 
     def _free_pages(self, job: PrefillJob) -> None:
         if job.pages:
@@ -211,6 +228,7 @@ class PrefillService(NodeService):
                 if deadline < now:
                     del self.early[room]
                     self.metrics.rejected.labels("expired").inc()
-                    log.warning("room=%d transfer request expired before its room arrived", room,
-                                extra={"room": room})
+                    log.warning(
+                        "room=%d transfer request expired before its room arrived", room, extra={"room": room}
+                    )
             await asyncio.sleep(0.5)

@@ -75,8 +75,13 @@ class AuxBuffers:
             tensor[slot] = value
 
     def read(self, slot: int) -> Aux:
-        values = {name: tensor[slot].item() for name, tensor in self.fields.items()}
-        return Aux(**values)
+        f = self.fields
+        return Aux(
+            room=int(f["room"][slot]),
+            first_token=int(f["first_token"][slot]),
+            cached_tokens=int(f["cached_tokens"][slot]),
+            logprob=float(f["logprob"][slot]),
+        )
 
     def validate(self, slot: int, room: int, prompt_len: int, vocab_size: int) -> Aux:
         """The record in ``slot`` as landed, or AuxValidationError if it is not this room's."""

@@ -24,9 +24,7 @@ class KVPool:
             raise ValueError("a KV pool needs at least one page")
         self.layout = layout
         self.num_pages = num_pages
-        self.data = torch.zeros(
-            (num_pages, *layout.page_shape), dtype=layout.torch_dtype, device=device
-        )
+        self.data = torch.zeros((num_pages, *layout.page_shape), dtype=layout.torch_dtype, device=device)
         self._free: collections.deque[int] = collections.deque(range(num_pages))
         self._used: set[int] = set()
 

@@ -26,8 +26,15 @@ class Service:
         self.url = f"http://127.0.0.1:{self.http_port}"
         self.log_path = log_dir / f"{name}.log"
         self.args = [
-            sys.executable, "-m", module,
-            "--host", "127.0.0.1", "--http-port", str(self.http_port), "--zmq-port", str(self.zmq_port),
+            sys.executable,
+            "-m",
+            module,
+            "--host",
+            "127.0.0.1",
+            "--http-port",
+            str(self.http_port),
+            "--zmq-port",
+            str(self.zmq_port),
             *args,
         ]
         self.env = env
@@ -43,7 +50,8 @@ class Service:
         return self.proc is not None and self.proc.poll() is None
 
     def health(self) -> dict[str, object]:
-        return httpx.get(f"{self.url}/health", timeout=2.0).json()  # type: ignore[no-any-return]
+        body: dict[str, object] = httpx.get(f"{self.url}/health", timeout=2.0).json()
+        return body
 
     def wait_healthy(self, timeout: float = 60.0, registered: bool = True) -> None:
         deadline = time.monotonic() + timeout
@@ -94,12 +102,23 @@ class LocalStack:
 
     def node(self, role: str, node_id: str, args: list[str] | None = None) -> Service:
         module = {"prefill": "prefill_node", "decode": "decode_node"}[role]
-        return self._service(node_id, module, [
-            "--node-id", node_id, "--bootstrap-url", self.bootstrap.url, *(args or []),
-        ])
+        return self._service(
+            node_id,
+            module,
+            [
+                "--node-id",
+                node_id,
+                "--bootstrap-url",
+                self.bootstrap.url,
+                *(args or []),
+            ],
+        )
 
-    def start(self, prefill_args: list[str] | None = None, decode_args: list[str] | None = None,
-              ) -> tuple[Service, Service]:
+    def start(
+        self,
+        prefill_args: list[str] | None = None,
+        decode_args: list[str] | None = None,
+    ) -> tuple[Service, Service]:
         """Start the bootstrap, one prefill and one decode node; wait until all are registered."""
         self.bootstrap.start()
         self.bootstrap.wait_healthy(registered=False)

@@ -26,17 +26,18 @@ class ServiceMetrics:
             "kvroom_messages_rejected_total", "Messages dropped, by kind of fault", ["kind"], registry=r
         )
         self.rooms = Gauge("kvroom_rooms", "Rooms by current state", ["state"], registry=r)
-        self.transfer_bytes = Counter(
-            "kvroom_transfer_bytes_total", "KV bytes written to peers", registry=r
-        )
+        self.transfer_bytes = Counter("kvroom_transfer_bytes_total", "KV bytes written to peers", registry=r)
         self.transfer_seconds = Histogram(
-            "kvroom_transfer_seconds", "Time to write one room's KV", registry=r,
+            "kvroom_transfer_seconds",
+            "Time to write one room's KV",
+            registry=r,
             buckets=_LATENCY_BUCKETS,
         )
         self.aux_latency = Histogram(
             "kvroom_aux_latency_seconds",
             "From the prefill's KV-write completion to the room's SUCCESS on decode",
-            registry=r, buckets=_LATENCY_BUCKETS,
+            registry=r,
+            buckets=_LATENCY_BUCKETS,
         )
         Gauge("kvroom_info", "Service identity", ["service"], registry=r).labels(service).set(1)
 

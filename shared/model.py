@@ -124,9 +124,7 @@ class ReferenceModel:
         return self._next_token(h[-1])
 
     @torch.inference_mode()
-    def decode_step(
-        self, pool: KVPool, pages: list[int], position: int, token: int
-    ) -> tuple[int, float]:
+    def decode_step(self, pool: KVPool, pages: list[int], position: int, token: int) -> tuple[int, float]:
         """Feed ``token`` at ``position`` over the KV already in ``pages``."""
         ps = pool.layout.page_size
         page, slot = pages[position // ps], position % ps

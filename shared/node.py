@@ -8,10 +8,11 @@ go to worker threads.
 
 import abc
 import asyncio
+import contextlib
 import logging
 import signal
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from typing import Any
 
 import httpx
@@ -31,6 +32,14 @@ from shared.transfer import MooncakeEngine, TransferEngine
 from shared.zmq_io import PushSockets, bind_pull
 
 log = logging.getLogger(__name__)
+
+
+class _EmbeddedServer(uvicorn.Server):
+    """Leaves signal handling to the node, which owns the event loop."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
 
 
 class NodeService(abc.ABC):
@@ -232,10 +241,15 @@ class NodeService(abc.ABC):
         config = uvicorn.Config(
             self.http_app(), host=s.host, port=s.http_port, log_config=None, lifespan="off"
         )
-        server = uvicorn.Server(config)
-        server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
-        log.info("%s node %s serving http=%s zmq=%s engine=%s", self.role, self.node_id,
-                 s.public_http_url, s.public_zmq_endpoint(self.rank), self.engine.session_id)
+        server = _EmbeddedServer(config)
+        log.info(
+            "%s node %s serving http=%s zmq=%s engine=%s",
+            self.role,
+            self.node_id,
+            s.public_http_url,
+            s.public_zmq_endpoint(self.rank),
+            self.engine.session_id,
+        )
         try:
             async with asyncio.TaskGroup() as tg:
                 http = tg.create_task(server.serve())

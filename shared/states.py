@@ -25,16 +25,13 @@ class RoomState(enum.IntEnum):
 class FailureReason(enum.StrEnum):
     ABORTED = "aborted"
     PEER_LOST = "peer_lost"
-    BOOTSTRAP_TIMEOUT = "bootstrap_timeout"
     WAITING_TIMEOUT = "waiting_timeout"
     TRANSFER_TIMEOUT = "transfer_timeout"
-    AUX_TIMEOUT = "aux_timeout"
     AUX_INVALID = "aux_invalid"
     TRANSFER_FAILED = "transfer_failed"
     NO_CAPACITY = "no_capacity"
     PREFILL_FAILED = "prefill_failed"
     DECODE_FAILED = "decode_failed"
-    INVALID_REQUEST = "invalid_request"
 
 
 S = RoomState

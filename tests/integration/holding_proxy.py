@@ -65,7 +65,17 @@ class HoldingProxy:
         with self._lock:
             self._pending.append(frames)
 
-    def release(self) -> None:
+    def release(self, room: int | None = None) -> None:
+        """Send on the held messages (only those of ``room`` if given)."""
         with self._lock:
-            self._pending.extend(self.held)
-            self.held = []
+            keep = []
+            for frames in self.held:
+                if room is None or protocol.decode(frames)[0].room == room:
+                    self._pending.append(frames)
+                else:
+                    keep.append(frames)
+            self.held = keep
+
+    def held_rooms(self) -> set[int]:
+        with self._lock:
+            return {protocol.decode(frames)[0].room for frames in self.held}

@@ -16,7 +16,9 @@ def model():
 
 def test_weights_come_from_the_seed(model):
     other = ReferenceModel()
-    assert all((a == b).all() for a, b in zip(model.layers[0].values(), other.layers[0].values(), strict=True))
+    assert all(
+        (a == b).all() for a, b in zip(model.layers[0].values(), other.layers[0].values(), strict=True)
+    )
 
 
 def test_generate_is_deterministic_and_prompt_dependent(model):
@@ -61,7 +63,10 @@ def test_corrupted_kv_changes_the_output(model):
 def test_cli_prints_json(model):
     out = subprocess.run(
         [sys.executable, "-m", "shared.model", "--prompt", "hi", "--max-new-tokens", "5"],
-        check=True, capture_output=True, text=True, timeout=120,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     body = json.loads(out.stdout)
     assert body["output_ids"] == generate(model, encode_text("hi"), 5)

@@ -9,19 +9,31 @@ from shared.errors import FrameTooLarge, MalformedFrame, UnknownMessageType, Ver
 PEER = protocol.PeerRank(rank=0, session_id="127.0.0.1:1234", zmq_endpoint="tcp://127.0.0.1:5555")
 MESSAGES = [
     protocol.PrefillRoom(room=1, rank=0, input_ids=[1, 2, 3], decode_node="d", decode_ranks=[PEER]),
-    protocol.DecodeRoom(room=(1 << 63) - 1, rank=0, prompt_len=3, max_new_tokens=4, prefill_node="p",
-                        prefill_ranks=[PEER]),
+    protocol.DecodeRoom(
+        room=(1 << 63) - 1, rank=0, prompt_len=3, max_new_tokens=4, prefill_node="p", prefill_ranks=[PEER]
+    ),
     protocol.AbortRoom(room=5, rank=0, reason="aborted"),
-    protocol.TransferRequest(room=5, rank=0, decode_rank=0, session_id="h:1", kv_base_ptr=1 << 40,
-                             num_pages=10, page_bytes=4096, page_indices=[0, 1, 7], aux_slot=3,
-                             aux_endpoint="tcp://h:2"),
+    protocol.TransferRequest(
+        room=5,
+        rank=0,
+        decode_rank=0,
+        session_id="h:1",
+        kv_base_ptr=1 << 40,
+        num_pages=10,
+        page_bytes=4096,
+        page_indices=[0, 1, 7],
+        aux_slot=3,
+        aux_endpoint="tcp://h:2",
+    ),
     protocol.TransferStarted(room=5, rank=0, prefill_rank=0),
     protocol.RoomReleased(room=5, rank=0, prefill_rank=0, reason="aborted"),
-    protocol.RoomReport(room=5, node_id="n", state=4, reason=None, ts=1.5, output_ids=[1],
-                        timings={"decode_s": 0.1}),
+    protocol.RoomReport(
+        room=5, node_id="n", state=4, reason=None, ts=1.5, output_ids=[1], timings={"decode_s": 0.1}
+    ),
 ]
-DONE = protocol.KvDone(room=5, rank=0, prefill_rank=0, aux_slot=3, pages_written=2, bytes_written=8192,
-                       completed_at=12.5)
+DONE = protocol.KvDone(
+    room=5, rank=0, prefill_rank=0, aux_slot=3, pages_written=2, bytes_written=8192, completed_at=12.5
+)
 
 
 @pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
@@ -62,8 +74,10 @@ BODY = msgspec.msgpack.encode({"room": 5, "rank": 0, "reason": "x"})
         ([header(kind=99), BODY], UnknownMessageType),
         ([header(kind=0), BODY], UnknownMessageType),
         ([header(), BODY, b"extra"], MalformedFrame),
-        ([header(kind=protocol.Kind.DONE_AUX), msgspec.msgpack.encode(msgspec.structs.asdict(DONE))],
-         MalformedFrame),
+        (
+            [header(kind=protocol.Kind.DONE_AUX), msgspec.msgpack.encode(msgspec.structs.asdict(DONE))],
+            MalformedFrame,
+        ),
         ([header(), b"\xc1garbage"], MalformedFrame),
         ([header(), BODY[:-2]], MalformedFrame),
         ([header(), msgspec.msgpack.encode({"room": 0, "rank": 0, "reason": "x"})], MalformedFrame),

@@ -18,7 +18,12 @@ LEGAL = {
 
 def test_order_matches_the_poll_enum():
     assert [int(s) for s in (S.FAILED, S.BOOTSTRAPPING, S.WAITING_FOR_INPUT, S.TRANSFERRING, S.SUCCESS)] == [
-        0, 1, 2, 3, 4]
+        0,
+        1,
+        2,
+        3,
+        4,
+    ]
 
 
 @pytest.mark.parametrize(("current", "new"), list(itertools.product(S, S)))

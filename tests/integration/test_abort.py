@@ -1,0 +1,60 @@
+"""DELETE /rooms/{room} on a room in flight: FAILED aborted on both nodes, pages back."""
+
+from shared import protocol
+from tests.integration.helpers import metric, node_room, pools_full, wait_for
+from tests.integration.holding_proxy import HoldingProxy
+
+
+def test_abort_in_flight_room(stack):
+    stack.bootstrap.start()
+    stack.bootstrap.wait_healthy(registered=False)
+    prefill = stack.node("prefill", "prefill-0")
+
+    def hold(msg: protocol.Message) -> bool:
+        return isinstance(msg, protocol.TransferRequest)
+
+    # The decode's transfer request is held, so the room stays in flight until we abort it.
+    with HoldingProxy(prefill.zmq_port, hold) as proxy:
+        prefill.args += ["--advertise-zmq-port", str(proxy.port)]
+        prefill.start()
+        decode = stack.node("decode", "decode-0").start()
+        prefill.wait_healthy()
+        decode.wait_healthy()
+        with stack.client() as client:
+            room = client.post("/rooms", json={"prompt": "abort me " * 20, "max_new_tokens": 50}).json()[
+                "room"
+            ]
+            wait_for(lambda: proxy.held_rooms() == {room}, 20, "the transfer request to be held")
+            wait_for(lambda: node_room(prefill, room)["state"] == "WAITING_FOR_INPUT", 20, "prefill to wait")
+            assert node_room(decode, room)["state"] == "WAITING_FOR_INPUT"
+            assert decode.health()["free_pages"] < decode.health()["total_pages"]
+
+            resp = client.delete(f"/rooms/{room}")
+            assert resp.status_code == 200
+            assert resp.json()["state"] == "FAILED" and resp.json()["reason"] == "aborted"
+            for node in (prefill, decode):
+                wait_for(lambda node=node: node_room(node, room)["state"] == "FAILED", 10, "node to fail")
+                assert node_room(node, room)["reason"] == "aborted"
+            wait_for(lambda: pools_full(prefill, decode), 10, "pages and aux slots back")
+            final = client.get(f"/rooms/{room}").json()
+            assert final["state"] == "FAILED" and final["reason"] == "aborted"
+            assert final["output_ids"] is None and final["finished"]
+            # A second abort is refused, the room stays as it ended.
+            assert client.delete(f"/rooms/{room}").status_code == 409
+
+            # The late request reaches the prefill: it is refused, nothing is written.
+            proxy.release()
+            wait_for(
+                lambda: metric(prefill, "kvroom_messages_rejected_total", 'kind="finished"') == 1,
+                10,
+                "the late request to be refused",
+            )
+            assert metric(prefill, "kvroom_transfer_bytes_total") == 0
+            assert pools_full(prefill, decode)
+
+            # The nodes go on serving.
+            after = client.post("/rooms", json={"prompt": "next", "max_new_tokens": 3}).json()["room"]
+            wait_for(lambda: proxy.held_rooms() == {after}, 20, "the next request")
+            proxy.release()
+            assert client.get(f"/rooms/{after}", params={"wait": 30}).json()["state"] == "SUCCESS"
+            assert metric(stack.bootstrap, "kvroom_room_failures_total", 'reason="aborted"') == 1
