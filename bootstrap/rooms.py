@@ -9,11 +9,9 @@ import time
 from bootstrap.registry import Node
 from shared import protocol
 from shared.model import decode_text
-from shared.states import FailureReason, RoomState, check_transition
+from shared.states import FailureReason, RoomState, check_transition, forward_path
 
 log = logging.getLogger(__name__)
-
-_ORDER = [RoomState.BOOTSTRAPPING, RoomState.WAITING_FOR_INPUT, RoomState.TRANSFERRING, RoomState.SUCCESS]
 
 
 class RoomRecord:
@@ -117,9 +115,8 @@ class RoomBook:
             if self.fail(record, report.reason or f"{role}_failed"):
                 return [record.decode if role == "prefill" else record.prefill]
             return []
-        if role == "decode" and not record.state.terminal and state > record.state:
-            # Walk the table so each state gets its timestamp, even if reports were coalesced.
-            for step in _ORDER[_ORDER.index(record.state) + 1 : _ORDER.index(state) + 1]:
+        if role == "decode":
+            for step in forward_path(record.state, state):
                 record.move(step, ts=report.ts)
         if role == "decode" and report.output_ids is not None and record.state is RoomState.SUCCESS:
             record.output_ids = report.output_ids

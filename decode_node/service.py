@@ -1,11 +1,11 @@
 """The decode node: lends KV pages to a prefill node, takes done+aux, decides SUCCESS.
 
-Per room: BOOTSTRAPPING while pages and an aux slot are allocated,
-WAITING_FOR_INPUT once the transfer requests are out, TRANSFERRING when a
-prefill rank reports its writes began, SUCCESS only when every prefill rank
-the room expects sent its done notice with an aux record, and every record
-landed in the room's slot and names this room. Then the remaining tokens are
-decoded from the transferred KV.
+Per room: BOOTSTRAPPING until every prefill rank accepted the transfer request,
+WAITING_FOR_INPUT until one reports its writes began, TRANSFERRING until every
+prefill rank the room expects sent its done notice with an aux record and every
+record landed in the room's slot and names this room: then SUCCESS, and the
+remaining tokens are decoded from the transferred KV. Each waiting state has
+its own timeout and failure reason.
 
 Pages lent to a prefill rank are fenced until that rank answers (done+aux or
 released) or the lease times out, so a late write can never land in pages
@@ -18,7 +18,7 @@ import time
 
 from decode_node.settings import DecodeSettings
 from shared import protocol
-from shared.aux_buffers import AuxBuffers
+from shared.aux_buffers import AUX_RECORD, AuxBuffers
 from shared.errors import AuxValidationError, PoolExhausted, RejectedMessage
 from shared.model import pages_needed
 from shared.node import NodeService
@@ -37,7 +37,10 @@ class DecodeJob(Room):
         self.prefill_ranks = {peer.rank: peer for peer in msg.prefill_ranks}
         self.pages: list[int] = []
         self.aux_slot: int | None = None
+        self.unaccepted: set[int] = set()  # prefill ranks that have not accepted the request
         self.pending: set[int] = set()  # prefill ranks whose done+aux has not landed
+        self.kv_done: set[int] = set()  # prefill ranks whose done came without its aux
+        self.aux_missing_since: float | None = None
         self.leased: set[int] = set()  # prefill ranks that may still write into our pages
         self.lease_deadline = 0.0
         self.decoding = False
@@ -65,8 +68,9 @@ class DecodeService(NodeService):
 
     def handle(self, msg: protocol.Message, aux: memoryview | None) -> None:
         if isinstance(msg, protocol.KvDone):
-            assert aux is not None
             self._on_done(msg, aux)
+        elif isinstance(msg, protocol.TransferAccepted):
+            self._on_accepted(msg)
         elif isinstance(msg, protocol.TransferStarted):
             self._on_started(msg)
         elif isinstance(msg, protocol.DecodeRoom):
@@ -134,16 +138,23 @@ class DecodeService(NodeService):
             if not self.send(peer.zmq_endpoint, protocol.encode(request)):
                 self._fail(job, FailureReason.PEER_LOST)
                 return
+            job.unaccepted.add(peer.rank)
             job.pending.add(peer.rank)
             job.leased.add(peer.rank)
-        job.advance(RoomState.WAITING_FOR_INPUT)
+
+    def _on_accepted(self, msg: protocol.TransferAccepted) -> None:
+        job = self._job_for(msg.room, msg.rank, msg.prefill_rank)
+        if msg.prefill_rank not in job.unaccepted:
+            raise RejectedMessage("duplicate accept", room=job.id, kind="duplicate")
+        job.unaccepted.discard(msg.prefill_rank)
+        if not job.unaccepted:
+            job.advance_to(RoomState.WAITING_FOR_INPUT)
 
     def _on_started(self, msg: protocol.TransferStarted) -> None:
         job = self._job_for(msg.room, msg.rank, msg.prefill_rank)
-        if job.state is RoomState.WAITING_FOR_INPUT:
-            job.advance(RoomState.TRANSFERRING)
+        job.advance_to(RoomState.TRANSFERRING)
 
-    def _on_done(self, msg: protocol.KvDone, record: memoryview) -> None:
+    def _on_done(self, msg: protocol.KvDone, record: memoryview | None) -> None:
         job = self._job_for(msg.room, msg.rank, msg.prefill_rank)
         if msg.prefill_rank not in job.pending:
             raise RejectedMessage(
@@ -154,7 +165,11 @@ class DecodeService(NodeService):
             raise RejectedMessage(
                 f"aux slot {msg.aux_slot} is not this room's", room=job.id, kind="out_of_range"
             )
+        if record is None or len(record) != AUX_RECORD.size:
+            self._on_aux_missing(job, msg.prefill_rank)
+            return
         job.pending.discard(msg.prefill_rank)
+        job.kv_done.discard(msg.prefill_rank)
         job.leased.discard(msg.prefill_rank)
         expected_pages = self.layout.pages_for(job.prompt_len)
         try:
@@ -166,8 +181,7 @@ class DecodeService(NodeService):
             log.warning("room=%d aux rejected: %s", job.id, exc, extra={"room": job.id})
             self._fail(job, FailureReason.AUX_INVALID)
             return
-        if job.state is RoomState.WAITING_FOR_INPUT:
-            job.advance(RoomState.TRANSFERRING)
+        job.advance_to(RoomState.TRANSFERRING)
         if job.pending:
             return
         self.metrics.aux_latency.observe(max(0.0, time.time() - msg.completed_at))
@@ -176,6 +190,22 @@ class DecodeService(NodeService):
         job.aux_slot = None
         job.decoding = True
         self.spawn(self._decode(job, aux.first_token))
+
+    def _on_aux_missing(self, job: DecodeJob, prefill_rank: int) -> None:
+        """The KV is done but its aux is not here: wait for it, up to the aux timeout."""
+        if prefill_rank in job.kv_done:
+            raise RejectedMessage("duplicate done without aux", room=job.id, kind="duplicate")
+        job.kv_done.add(prefill_rank)
+        if job.aux_missing_since is None:
+            job.aux_missing_since = time.monotonic()
+        self.metrics.rejected.labels("aux_missing").inc()
+        log.warning(
+            "room=%d done notice from prefill rank %d arrived without a whole aux record",
+            job.id,
+            prefill_rank,
+            extra={"room": job.id},
+        )
+        job.advance_to(RoomState.TRANSFERRING)
 
     def _on_released(self, msg: protocol.RoomReleased) -> None:
         self._check_rank(msg.rank, msg.room)
@@ -194,6 +224,8 @@ class DecodeService(NodeService):
             log.debug("room=%d abort for a room not live here", msg.room, extra={"room": msg.room})
             return
         assert isinstance(job, DecodeJob)
+        if msg.reason == FailureReason.PEER_LOST:
+            job.leased.clear()  # a dead process writes nothing more
         self._fail(job, msg.reason)
 
     # -- work and release ---------------------------------------------------------------
@@ -240,18 +272,26 @@ class DecodeService(NodeService):
         self.pool.free(job.pages)
         job.pages = []
 
-    def _check_timeouts(self, now_wall: float, now: float) -> None:
+    def _timed_out(self, job: DecodeJob, now_wall: float, now: float) -> FailureReason | None:
         s = self.settings
+        waited = now_wall - job.timestamps[job.state.name]
+        if job.state is RoomState.BOOTSTRAPPING and waited > s.bootstrap_timeout_s:
+            return FailureReason.BOOTSTRAP_TIMEOUT
+        if job.state is RoomState.WAITING_FOR_INPUT and waited > s.waiting_timeout_s:
+            return FailureReason.WAITING_TIMEOUT
+        if job.state is RoomState.TRANSFERRING:
+            if job.aux_missing_since is not None and now - job.aux_missing_since > s.aux_timeout_s:
+                return FailureReason.AUX_TIMEOUT
+            if waited > s.transfer_timeout_s:
+                return FailureReason.TRANSFER_TIMEOUT
+        return None
+
+    def _check_timeouts(self, now_wall: float, now: float) -> None:
         for job in list(self.rooms.live.values()):
             assert isinstance(job, DecodeJob)
-            if job.state is RoomState.WAITING_FOR_INPUT:
-                since = job.timestamps[RoomState.WAITING_FOR_INPUT.name]
-                if now_wall - since > s.waiting_timeout_s:
-                    self._fail(job, FailureReason.WAITING_TIMEOUT)
-            elif job.state is RoomState.TRANSFERRING:
-                since = job.timestamps[RoomState.TRANSFERRING.name]
-                if now_wall - since > s.transfer_timeout_s:
-                    self._fail(job, FailureReason.TRANSFER_TIMEOUT)
+            reason = self._timed_out(job, now_wall, now)
+            if reason is not None:
+                self._fail(job, reason)
         for job in list(self.fenced.values()):
             if job.lease_deadline < now:
                 log.warning(

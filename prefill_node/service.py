@@ -1,9 +1,10 @@
 """The prefill node: computes a room's KV, writes it into the decode node, then sends done+aux.
 
 Per room: BOOTSTRAPPING while the model runs, WAITING_FOR_INPUT until the
-decode's transfer request is in, TRANSFERRING while the engine writes, SUCCESS
-once the writes completed and the done+aux message was queued. A room that
-fails or is aborted tells its decode ranks that their pages are released.
+decode's transfer request is in (a valid request is acknowledged at once),
+TRANSFERRING while the engine writes, SUCCESS once the writes completed and the
+done+aux message was queued. A room that fails or is aborted tells its decode
+ranks that their pages are released.
 """
 
 import asyncio
@@ -93,6 +94,12 @@ class PrefillService(NodeService):
         assert isinstance(job, PrefillJob)
         self._validate_request(job, req)
         job.request = req
+        self.send(
+            req.aux_endpoint,
+            protocol.encode(
+                protocol.TransferAccepted(room=job.id, rank=req.decode_rank, prefill_rank=self.rank)
+            ),
+        )
         if job.state is RoomState.WAITING_FOR_INPUT and not job.busy:
             self._start_transfer(job)
 
@@ -224,6 +231,12 @@ class PrefillService(NodeService):
     async def background(self) -> None:
         while not self._stop.is_set():
             now = time.monotonic()
+            deadline = time.time() - self.settings.waiting_timeout_s
+            for job in list(self.rooms.live.values()):
+                waiting_since = job.timestamps.get(RoomState.WAITING_FOR_INPUT.name, float("inf"))
+                if job.state is RoomState.WAITING_FOR_INPUT and waiting_since < deadline:
+                    assert isinstance(job, PrefillJob)
+                    self._fail(job, FailureReason.WAITING_TIMEOUT)
             for room, (_, deadline) in list(self.early.items()):
                 if deadline < now:
                     del self.early[room]

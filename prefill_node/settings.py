@@ -11,6 +11,9 @@ class PrefillSettings(NodeSettings):
 
     http_port: int = Field(8100, ge=1, le=65535, description="HTTP port (health, metrics)")
     zmq_port: int = Field(8101, ge=1, le=65535, description="ZMQ port (rank r binds zmq_port + r)")
+    waiting_timeout_s: float = Field(
+        30.0, gt=0, description="seconds a computed room may wait for its decode's transfer request"
+    )
     early_request_ttl_s: float = Field(
         10.0, gt=0, description="how long a transfer request that beat its room is kept"
     )

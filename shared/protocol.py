@@ -6,9 +6,13 @@ and for ``DONE_AUX`` a third frame holding the raw aux record. The header is
 checked before the body is decoded, so a peer speaking another version is
 rejected without parsing anything it sent.
 
+A ``DONE_AUX`` that arrives with its aux frame cut off still decodes (the aux
+comes back as None): the receiver learns the KV is done and keeps waiting for
+the aux, which is the one state the aux timeout exists for.
+
 Changelog
     1  first version: PREFILL_ROOM, DECODE_ROOM, ABORT_ROOM, TRANSFER_REQUEST,
-       TRANSFER_STARTED, DONE_AUX, ROOM_RELEASED, ROOM_REPORT.
+       TRANSFER_ACCEPTED, TRANSFER_STARTED, DONE_AUX, ROOM_RELEASED, ROOM_REPORT.
 """
 
 import enum
@@ -52,6 +56,7 @@ class Kind(enum.IntEnum):
     DONE_AUX = 6
     ROOM_RELEASED = 7
     ROOM_REPORT = 8
+    TRANSFER_ACCEPTED = 9
 
 
 class PeerRank(msgspec.Struct, frozen=True):
@@ -104,6 +109,14 @@ class TransferRequest(msgspec.Struct, frozen=True):
     aux_endpoint: Endpoint
 
 
+class TransferAccepted(msgspec.Struct, frozen=True):
+    """Prefill rank -> decode rank: the request is valid; the KV follows when computed."""
+
+    room: RoomId
+    rank: Rank  # the decode rank addressed
+    prefill_rank: Rank
+
+
 class TransferStarted(msgspec.Struct, frozen=True):
     """Prefill rank -> decode rank: the KV writes for the room have begun."""
 
@@ -153,6 +166,7 @@ Message = (
     | DecodeRoom
     | AbortRoom
     | TransferRequest
+    | TransferAccepted
     | TransferStarted
     | KvDone
     | RoomReleased
@@ -164,6 +178,7 @@ KIND_OF: dict[type, Kind] = {
     DecodeRoom: Kind.DECODE_ROOM,
     AbortRoom: Kind.ABORT_ROOM,
     TransferRequest: Kind.TRANSFER_REQUEST,
+    TransferAccepted: Kind.TRANSFER_ACCEPTED,
     TransferStarted: Kind.TRANSFER_STARTED,
     KvDone: Kind.DONE_AUX,
     RoomReleased: Kind.ROOM_RELEASED,
@@ -189,6 +204,9 @@ def encode(msg: Message, aux: bytes | None = None) -> list[bytes]:
 def decode(frames: list[Any]) -> tuple[Message, memoryview | None]:
     """Decode a received multipart message into (message, aux frame or None).
 
+    The aux frame is None for every kind but DONE_AUX, and for a DONE_AUX
+    whose aux frame was lost.
+
     Raises a ProtocolError subclass for anything that is not a well-formed
     message of this protocol version. Range checks against local state are the
     receiver's job.
@@ -207,9 +225,9 @@ def decode(frames: list[Any]) -> tuple[Message, memoryview | None]:
         kind = Kind(raw_kind)
     except ValueError as exc:
         raise UnknownMessageType(f"unknown message kind {raw_kind}") from exc
-    expected_frames = 3 if kind is Kind.DONE_AUX else 2
-    if len(frames) != expected_frames:
-        raise MalformedFrame(f"{kind.name} needs {expected_frames} frames, got {len(frames)}")
+    allowed_frames = (2, 3) if kind is Kind.DONE_AUX else (2,)
+    if len(frames) not in allowed_frames:
+        raise MalformedFrame(f"{kind.name} cannot have {len(frames)} frames")
     body = memoryview(frames[1])
     if body.nbytes > MAX_BODY_BYTES:
         raise FrameTooLarge(f"{kind.name} body of {body.nbytes} bytes")
@@ -217,7 +235,7 @@ def decode(frames: list[Any]) -> tuple[Message, memoryview | None]:
         msg = _DECODERS[kind].decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise MalformedFrame(f"{kind.name}: {exc}") from exc
-    aux = memoryview(frames[2]) if kind is Kind.DONE_AUX else None
+    aux = memoryview(frames[2]) if len(frames) == 3 else None
     if aux is not None and aux.nbytes > MAX_BODY_BYTES:
         raise FrameTooLarge(f"aux frame of {aux.nbytes} bytes")
     return msg, aux

@@ -5,7 +5,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from shared.states import FailureReason, RoomState, check_transition
+from shared.states import FailureReason, RoomState, check_transition, forward_path
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +31,11 @@ class Room:
         else:
             log.info("room=%d %s", self.id, new.name, extra={"room": self.id})
         self._on_change(self)
+
+    def advance_to(self, target: RoomState) -> None:
+        """Move forward to ``target`` through every state in between; no-op if not ahead."""
+        for state in forward_path(self.state, target):
+            self.advance(state)
 
     def fail(self, reason: FailureReason | str) -> bool:
         """End the room FAILED unless it already ended; True if this call ended it."""

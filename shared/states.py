@@ -25,8 +25,10 @@ class RoomState(enum.IntEnum):
 class FailureReason(enum.StrEnum):
     ABORTED = "aborted"
     PEER_LOST = "peer_lost"
+    BOOTSTRAP_TIMEOUT = "bootstrap_timeout"
     WAITING_TIMEOUT = "waiting_timeout"
     TRANSFER_TIMEOUT = "transfer_timeout"
+    AUX_TIMEOUT = "aux_timeout"
     AUX_INVALID = "aux_invalid"
     TRANSFER_FAILED = "transfer_failed"
     NO_CAPACITY = "no_capacity"
@@ -50,6 +52,20 @@ def check_transition(room: int, current: RoomState, new: RoomState) -> RoomState
         log.warning("room=%d illegal transition %s -> %s", room, current.name, new.name)
         raise IllegalTransition(room, current, new)
     return new
+
+
+_FORWARD = [S.BOOTSTRAPPING, S.WAITING_FOR_INPUT, S.TRANSFERRING, S.SUCCESS]
+
+
+def forward_path(current: RoomState, target: RoomState) -> list[RoomState]:
+    """The states to pass through, in order, to move a live room forward to ``target``.
+
+    Empty if ``target`` is not ahead of ``current``. Walking the path keeps every
+    step legal and gives each state its timestamp even when notices were coalesced.
+    """
+    if current.terminal or target is S.FAILED or target <= current:
+        return []
+    return _FORWARD[_FORWARD.index(current) + 1 : _FORWARD.index(target) + 1]
 
 
 def agreed_state(states: list[RoomState]) -> RoomState:

@@ -25,6 +25,7 @@ MESSAGES = [
         aux_slot=3,
         aux_endpoint="tcp://h:2",
     ),
+    protocol.TransferAccepted(room=5, rank=0, prefill_rank=0),
     protocol.TransferStarted(room=5, rank=0, prefill_rank=0),
     protocol.RoomReleased(room=5, rank=0, prefill_rank=0, reason="aborted"),
     protocol.RoomReport(
@@ -48,6 +49,8 @@ def test_done_travels_with_aux():
     frames = protocol.encode(DONE, b"x" * 20)
     decoded, aux = protocol.decode(frames)
     assert decoded == DONE and bytes(aux) == b"x" * 20
+    # A done notice whose aux frame was cut off still tells the receiver the KV is done.
+    assert protocol.decode(frames[:2]) == (DONE, None)
     with pytest.raises(ValueError):
         protocol.encode(DONE)
     with pytest.raises(ValueError):
@@ -75,7 +78,12 @@ BODY = msgspec.msgpack.encode({"room": 5, "rank": 0, "reason": "x"})
         ([header(kind=0), BODY], UnknownMessageType),
         ([header(), BODY, b"extra"], MalformedFrame),
         (
-            [header(kind=protocol.Kind.DONE_AUX), msgspec.msgpack.encode(msgspec.structs.asdict(DONE))],
+            [
+                header(kind=protocol.Kind.DONE_AUX),
+                msgspec.msgpack.encode(msgspec.structs.asdict(DONE)),
+                b"",
+                b"",
+            ],
             MalformedFrame,
         ),
         ([header(), b"\xc1garbage"], MalformedFrame),

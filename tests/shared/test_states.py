@@ -3,7 +3,7 @@ import itertools
 import pytest
 
 from shared.errors import IllegalTransition
-from shared.states import TRANSITIONS, RoomState, agreed_state, check_transition
+from shared.states import TRANSITIONS, RoomState, agreed_state, check_transition, forward_path
 
 S = RoomState
 LEGAL = {
@@ -49,3 +49,17 @@ def test_ranks_agree_on_the_minimum():
     assert agreed_state([S.SUCCESS, S.TRANSFERRING, S.SUCCESS]) is S.TRANSFERRING
     assert agreed_state([S.SUCCESS, S.FAILED]) is S.FAILED
     assert agreed_state([S.SUCCESS]) is S.SUCCESS
+
+
+def test_forward_path_walks_the_table():
+    assert forward_path(S.BOOTSTRAPPING, S.SUCCESS) == [S.WAITING_FOR_INPUT, S.TRANSFERRING, S.SUCCESS]
+    assert forward_path(S.WAITING_FOR_INPUT, S.TRANSFERRING) == [S.TRANSFERRING]
+    assert forward_path(S.TRANSFERRING, S.WAITING_FOR_INPUT) == []
+    assert forward_path(S.TRANSFERRING, S.TRANSFERRING) == []
+    assert forward_path(S.SUCCESS, S.SUCCESS) == []
+    assert forward_path(S.FAILED, S.SUCCESS) == []
+    assert forward_path(S.BOOTSTRAPPING, S.FAILED) == []
+    for current, target in itertools.product(S, S):
+        state = current
+        for step in forward_path(current, target):
+            state = check_transition(1, state, step)
