@@ -213,10 +213,12 @@ class DecodeService(NodeService):
         if not isinstance(job, DecodeJob) or msg.prefill_rank not in job.leased:
             raise RejectedMessage("release for a room holding no lease", room=msg.room, kind="unknown_room")
         job.leased.discard(msg.prefill_rank)
-        job.pending.discard(msg.prefill_rank)
-        # The prefill gave the room up: it cannot succeed any more.
-        self._fail(job, msg.reason or FailureReason.PREFILL_FAILED)
-        self._release(job)
+        if msg.reason:
+            # The prefill gave the room up: it cannot succeed any more.
+            self._fail(job, msg.reason)
+        # An empty reason: that rank finished writing; the room's own timeouts still rule.
+        if job.state.terminal:
+            self._release(job)
 
     def _on_abort(self, msg: protocol.AbortRoom) -> None:
         job = self.rooms.live.get(msg.room)

@@ -125,13 +125,17 @@ class PrefillService(NodeService):
 
     def _on_abort(self, msg: protocol.AbortRoom) -> None:
         self._check_rank(msg)
-        job = self.rooms.live.get(msg.room)
+        self.early.pop(msg.room, None)
+        job = self.rooms.find(msg.room)
         if job is None:
-            self.early.pop(msg.room, None)
-            log.debug("room=%d abort for a room not live here", msg.room, extra={"room": msg.room})
+            log.debug("room=%d abort for a room not known here", msg.room, extra={"room": msg.room})
             return
         assert isinstance(job, PrefillJob)
-        self._fail(job, msg.reason)
+        if job.state.terminal:
+            # Already done writing: say so, so the decode can stop fencing its pages.
+            self._release(job)
+        else:
+            self._fail(job, msg.reason)
 
     # -- work -----------------------------------------------------------------------
 

@@ -88,12 +88,14 @@ class Service:
 class LocalStack:
     """A bootstrap plus prefill and decode nodes, stopped on exit from the ``with`` block."""
 
-    def __init__(self, log_dir: Path, env: dict[str, str] | None = None):
+    def __init__(
+        self, log_dir: Path, env: dict[str, str] | None = None, bootstrap_args: list[str] | None = None
+    ):
         self.log_dir = log_dir
         log_dir.mkdir(parents=True, exist_ok=True)
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.services: list[Service] = []
-        self.bootstrap = self._service("bootstrap", "bootstrap", [])
+        self.bootstrap = self._service("bootstrap", "bootstrap", bootstrap_args or [])
 
     def _service(self, name: str, module: str, args: list[str]) -> Service:
         service = Service(name, module, args, self.log_dir, self.env)

@@ -141,7 +141,10 @@ class KvDone(msgspec.Struct, frozen=True):
 
 
 class RoomReleased(msgspec.Struct, frozen=True):
-    """Prefill rank -> decode rank: I will not touch this room's pages again."""
+    """Prefill rank -> decode rank: I will not touch this room's pages again.
+
+    ``reason`` says why the prefill gave the room up; empty if it had finished.
+    """
 
     room: RoomId
     rank: Rank

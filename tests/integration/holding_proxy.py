@@ -76,6 +76,14 @@ class HoldingProxy:
                     keep.append(frames)
             self.held = keep
 
+    def held_for(self, room: int) -> Frames:
+        with self._lock:
+            return next(f for f in self.held if protocol.decode(f)[0].room == room)
+
+    def drop(self, room: int) -> None:
+        with self._lock:
+            self.held = [f for f in self.held if protocol.decode(f)[0].room != room]
+
     def held_rooms(self) -> set[int]:
         with self._lock:
             return {protocol.decode(frames)[0].room for frames in self.held}

@@ -1,53 +1,121 @@
-"""SUCCESS waits for the aux: the room's done+aux message is held back by a proxy."""
+"""SUCCESS waits for the aux: a proxy in front of the decode node holds done+aux messages."""
+
+import contextlib
+
+import pytest
 
 from shared import protocol
+from shared.aux_buffers import AUX_RECORD
 from shared.model import encode_text, generate
 from tests.integration.helpers import metric, node_room, pools_full, wait_for
 from tests.integration.holding_proxy import HoldingProxy
 
 
-def test_room_is_not_success_until_its_aux_arrives(stack, model):
-    stack.bootstrap.start()
-    stack.bootstrap.wait_healthy(registered=False)
-    decode = stack.node("decode", "decode-0")
+@pytest.fixture
+def held(stack):
+    """Prefill and decode nodes with every done+aux message to the decode held back."""
 
     def hold(msg: protocol.Message) -> bool:
         return isinstance(msg, protocol.KvDone)
 
-    with HoldingProxy(decode.zmq_port, hold) as proxy:
+    def start(*decode_args: str):
+        stack.bootstrap.start()
+        stack.bootstrap.wait_healthy(registered=False)
+        decode = stack.node("decode", "decode-0", list(decode_args))
+        proxy = exits.enter_context(HoldingProxy(decode.zmq_port, hold))
         decode.args += ["--advertise-zmq-port", str(proxy.port)]
         decode.start()
         prefill = stack.node("prefill", "prefill-0").start()
         decode.wait_healthy()
         prefill.wait_healthy()
-        with stack.client() as client:
-            # A room beside the held one must go on unaffected.
-            other = client.post("/rooms", json={"prompt": "a neighbour", "max_new_tokens": 6}).json()
-            prompt = "held back " * 10
-            room = client.post("/rooms", json={"prompt": prompt, "max_new_tokens": 8}).json()["room"]
-            wait_for(lambda: proxy.held_rooms() == {room, other["room"]}, 20, "both done+aux messages held")
-            proxy.release(other["room"])
+        return prefill, decode, proxy
 
-            # KV writes completed (prefill is done), the aux is missing: not SUCCESS.
-            assert node_room(prefill, room)["state"] == "SUCCESS"
-            for _ in range(10):
-                assert node_room(decode, room)["state"] == "TRANSFERRING"
-                assert client.get(f"/rooms/{room}").json()["state"] == "TRANSFERRING"
-            assert client.get(f"/rooms/{other['room']}", params={"wait": 30}).json()["state"] == "SUCCESS"
+    with contextlib.ExitStack() as exits:
+        yield start
 
-            # The done notice alone, its aux frame cut off: the KV is done, the aux is not here.
-            assert proxy.held_rooms() == {room}
-            proxy.inject(proxy.held[0][:2])
-            wait_for(
-                lambda: metric(decode, "kvroom_messages_rejected_total", 'kind="aux_missing"') == 1,
-                10,
-                "the done notice without aux to be seen",
-            )
-            for _ in range(10):
-                assert node_room(decode, room)["state"] == "TRANSFERRING"
 
-            proxy.release()
-            final = client.get(f"/rooms/{room}", params={"wait": 30}).json()
-            assert final["state"] == "SUCCESS", final
-            assert final["output_ids"] == generate(model, encode_text(prompt), 8)
-            wait_for(lambda: pools_full(prefill, decode), 10, "pools back to full")
+def rejected(service, kind: str) -> float:
+    return metric(service, "kvroom_messages_rejected_total", f'kind="{kind}"')
+
+
+def test_room_is_not_success_until_its_aux_arrives(stack, held, model):
+    prefill, decode, proxy = held()
+    with stack.client() as client:
+        # A room beside the held one must go on unaffected.
+        other = client.post("/rooms", json={"prompt": "a neighbour", "max_new_tokens": 6}).json()["room"]
+        prompt = "held back " * 10
+        room = client.post("/rooms", json={"prompt": prompt, "max_new_tokens": 8}).json()["room"]
+        wait_for(lambda: proxy.held_rooms() == {room, other}, 20, "both done+aux messages held")
+        proxy.release(other)
+
+        # KV writes completed (the prefill is done), the aux is missing: not SUCCESS.
+        assert node_room(prefill, room)["state"] == "SUCCESS"
+        for _ in range(10):
+            assert node_room(decode, room)["state"] == "TRANSFERRING"
+            assert client.get(f"/rooms/{room}").json()["state"] == "TRANSFERRING"
+        assert client.get(f"/rooms/{other}", params={"wait": 30}).json()["state"] == "SUCCESS"
+
+        # The done notice alone, its aux frame cut off: the KV is done, the aux is not here.
+        proxy.inject(proxy.held_for(room)[:2])
+        wait_for(lambda: rejected(decode, "aux_missing") == 1, 10, "the done notice without aux")
+        for _ in range(10):
+            assert node_room(decode, room)["state"] == "TRANSFERRING"
+
+        proxy.release()
+        final = client.get(f"/rooms/{room}", params={"wait": 30}).json()
+        assert final["state"] == "SUCCESS", final
+        assert final["output_ids"] == generate(model, encode_text(prompt), 8)
+        wait_for(lambda: pools_full(prefill, decode), 10, "pools back to full")
+
+
+def test_aux_held_past_the_aux_timeout_fails_the_room(stack, held):
+    prefill, decode, proxy = held("--aux-timeout-s", "1")
+    with stack.client() as client:
+        room = client.post("/rooms", json={"prompt": "late aux", "max_new_tokens": 4}).json()["room"]
+        wait_for(lambda: proxy.held_rooms() == {room}, 20, "the done+aux message held")
+        proxy.inject(proxy.held_for(room)[:2])  # the done notice arrives, its aux does not
+        final = client.get(f"/rooms/{room}", params={"wait": 20}).json()
+        assert (final["state"], final["reason"]) == ("FAILED", "aux_timeout")
+        assert node_room(decode, room)["reason"] == "aux_timeout"
+        # The aux that comes too late is refused: the room stays FAILED.
+        proxy.release()
+        wait_for(lambda: rejected(decode, "finished") == 1, 10, "the late aux refused")
+        assert client.get(f"/rooms/{room}").json()["state"] == "FAILED"
+        wait_for(lambda: pools_full(prefill, decode), 10, "pools back to full")
+
+
+def test_duplicated_aux_gives_one_success(stack, held, model):
+    prefill, decode, proxy = held()
+    with stack.client() as client:
+        room = client.post("/rooms", json={"prompt": "twice", "max_new_tokens": 5}).json()["room"]
+        wait_for(lambda: proxy.held_rooms() == {room}, 20, "the done+aux message held")
+        frames = proxy.held_for(room)
+        proxy.inject(frames)
+        proxy.inject(frames)
+        proxy.drop(room)
+        final = client.get(f"/rooms/{room}", params={"wait": 20}).json()
+        assert final["state"] == "SUCCESS"
+        assert final["output_ids"] == generate(model, encode_text("twice"), 5)
+        wait_for(lambda: rejected(decode, "finished") == 1, 10, "the duplicate dropped")
+        assert metric(decode, "kvroom_room_transitions_total", 'state="SUCCESS"') == 1
+        wait_for(lambda: pools_full(prefill, decode), 10, "pools back to full")
+
+
+def test_aux_naming_another_room_fails_only_that_room(stack, held, model):
+    prefill, decode, proxy = held()
+    with stack.client() as client:
+        a = client.post("/rooms", json={"prompt": "room a", "max_new_tokens": 5}).json()["room"]
+        b = client.post("/rooms", json={"prompt": "room b", "max_new_tokens": 5}).json()["room"]
+        wait_for(lambda: proxy.held_rooms() == {a, b}, 20, "both done+aux messages held")
+        header, body, record = proxy.held_for(a)
+        _, first, cached, logprob = AUX_RECORD.unpack(record)
+        proxy.inject([header, body, AUX_RECORD.pack(b, first, cached, logprob)])
+        proxy.drop(a)
+        final_a = client.get(f"/rooms/{a}", params={"wait": 20}).json()
+        assert (final_a["state"], final_a["reason"]) == ("FAILED", "aux_invalid")
+        assert final_a["output_ids"] is None
+        proxy.release(b)
+        final_b = client.get(f"/rooms/{b}", params={"wait": 20}).json()
+        assert final_b["state"] == "SUCCESS"
+        assert final_b["output_ids"] == generate(model, encode_text("room b"), 5)
+        wait_for(lambda: pools_full(prefill, decode), 10, "pools back to full")
