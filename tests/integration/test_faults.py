@@ -1,0 +1,145 @@
+"""Peers die and restart: every room ends with a reason, nothing hangs or leaks."""
+
+import httpx
+
+from shared import protocol
+from shared.model import encode_text, generate
+from tests.integration.conftest import FAST_NODE
+from tests.integration.helpers import metric, node_room, pools_full, wait_for
+from tests.integration.holding_proxy import HoldingProxy
+
+
+def start_behind_proxy(stack, node, hold):
+    proxy = HoldingProxy(node.zmq_port, hold).__enter__()
+    node.args += ["--advertise-zmq-port", str(proxy.port)]
+    node.start()
+    return proxy
+
+
+def test_prefill_killed_mid_transfer(fast_stack, model):
+    stack = fast_stack
+    stack.bootstrap.start()
+    stack.bootstrap.wait_healthy(registered=False)
+    decode = stack.node("decode", "decode-0", [*FAST_NODE, "--transfer-timeout-s", "5"])
+    # Done+aux is held: the rooms are TRANSFERRING on the decode when the prefill dies.
+    proxy = start_behind_proxy(stack, decode, lambda m: isinstance(m, protocol.KvDone))
+    try:
+        prefill = stack.node("prefill", "prefill-0", FAST_NODE).start()
+        decode.wait_healthy()
+        prefill.wait_healthy()
+        start = decode.health()
+        with stack.client() as client:
+            rooms = [
+                client.post("/rooms", json={"prompt": f"doomed {i}", "max_new_tokens": 4}).json()["room"]
+                for i in range(3)
+            ]
+            wait_for(lambda: proxy.held_rooms() == set(rooms), 20, "three rooms mid-transfer")
+            assert all(node_room(decode, r)["state"] == "TRANSFERRING" for r in rooms)
+            prefill.kill()
+            for room in rooms:
+                final = client.get(f"/rooms/{room}", params={"wait": 15}).json()
+                assert final["state"] == "FAILED", final
+                assert final["reason"] in ("peer_lost", "transfer_timeout")
+                wait_for(lambda room=room: node_room(decode, room)["state"] == "FAILED", 10, "decode")
+            # The KV that did land is never turned into a SUCCESS afterwards.
+            proxy.release()
+            wait_for(
+                lambda: metric(decode, "kvroom_messages_rejected_total", 'kind="finished"') == 3,
+                10,
+                "the late done+aux refused",
+            )
+            assert all(client.get(f"/rooms/{r}").json()["state"] == "FAILED" for r in rooms)
+            assert decode.health()["status"] == "ok"
+            wait_for(lambda: pools_full(decode), 10, "decode pools back to their start")
+            assert decode.health()["free_pages"] == start["free_pages"]
+
+            # A new prefill registers and new rooms succeed.
+            stack.node("prefill", "prefill-1", FAST_NODE).start().wait_healthy()
+            room = client.post("/rooms", json={"prompt": "survivor", "max_new_tokens": 6}).json()
+            assert room["prefill"]["node_id"] == "prefill-1"
+            wait_for(lambda: proxy.held_rooms() == {room["room"]}, 20, "the new room's done+aux")
+            proxy.release()
+            final = client.get(f"/rooms/{room['room']}", params={"wait": 20}).json()
+            assert final["state"] == "SUCCESS"
+            assert final["output_ids"] == generate(model, encode_text("survivor"), 6)
+    finally:
+        proxy.__exit__()
+
+
+def test_decode_killed_prefill_frees_and_serves_others(fast_stack, model):
+    stack = fast_stack
+    stack.bootstrap.start()
+    stack.bootstrap.wait_healthy(registered=False)
+    prefill = stack.node("prefill", "prefill-0", FAST_NODE)
+    # Transfer requests are held: the prefill holds computed KV for rooms of the doomed decode.
+    proxy = start_behind_proxy(stack, prefill, lambda m: isinstance(m, protocol.TransferRequest))
+    try:
+        doomed = stack.node("decode", "decode-a", FAST_NODE).start()
+        prefill.wait_healthy()
+        doomed.wait_healthy()
+        with stack.client() as client:
+            rooms = [
+                client.post("/rooms", json={"prompt": "x" * 100, "max_new_tokens": 4}).json()["room"]
+                for _ in range(3)
+            ]
+            wait_for(lambda: proxy.held_rooms() == set(rooms), 20, "three requests held")
+            wait_for(
+                lambda: all(node_room(prefill, r)["state"] == "WAITING_FOR_INPUT" for r in rooms),
+                20,
+                "the prefill to hold the KV",
+            )
+            assert prefill.health()["free_pages"] < prefill.health()["total_pages"]
+            survivor = stack.node("decode", "decode-b", FAST_NODE).start()
+            survivor.wait_healthy()
+            doomed.kill()
+            for room in rooms:
+                final = client.get(f"/rooms/{room}", params={"wait": 15}).json()
+                assert (final["state"], final["reason"]) == ("FAILED", "peer_lost")
+                wait_for(lambda room=room: node_room(prefill, room)["reason"] == "peer_lost", 10, "prefill")
+            wait_for(lambda: pools_full(prefill), 10, "prefill pages freed")
+            proxy.release()  # the dead decode's requests are refused, nothing is written
+            wait_for(
+                lambda: metric(prefill, "kvroom_messages_rejected_total", 'kind="finished"') == 3,
+                10,
+                "the dead decode's requests refused",
+            )
+            assert metric(prefill, "kvroom_transfer_bytes_total") == 0
+
+            nodes = {n["node_id"]: n["alive"] for n in client.get("/nodes").json()}
+            assert nodes == {"prefill-0": True, "decode-a": False, "decode-b": True}
+            room = client.post("/rooms", json={"prompt": "next", "max_new_tokens": 5}).json()
+            assert room["decode"]["node_id"] == "decode-b"
+            wait_for(lambda: proxy.held_rooms() == {room["room"]}, 20, "the new request")
+            proxy.release()
+            final = client.get(f"/rooms/{room['room']}", params={"wait": 20}).json()
+            assert final["state"] == "SUCCESS"
+            assert final["output_ids"] == generate(model, encode_text("next"), 5)
+            wait_for(lambda: pools_full(prefill, survivor), 10, "pools full")
+    finally:
+        proxy.__exit__()
+
+
+def test_bootstrap_restart_nodes_register_again(fast_stack, model):
+    stack = fast_stack
+    prefill, decode = stack.start(FAST_NODE, FAST_NODE)
+    with stack.client() as client:
+        first = client.post("/rooms", json={"prompt": "before", "max_new_tokens": 3}).json()["room"]
+        assert client.get(f"/rooms/{first}", params={"wait": 20}).json()["state"] == "SUCCESS"
+    stack.bootstrap.stop()
+    stack.bootstrap.start()  # same ports, empty memory
+    stack.bootstrap.wait_healthy(registered=False)
+
+    def both_registered():
+        return {n["node_id"] for n in httpx.get(f"{stack.bootstrap.url}/nodes").json()} == {
+            "prefill-0",
+            "decode-0",
+        }
+
+    wait_for(both_registered, 20, "nodes to register again")
+    with stack.client() as client:
+        assert client.get(f"/rooms/{first}").status_code == 404
+        room = client.post("/rooms", json={"prompt": "after", "max_new_tokens": 7}).json()["room"]
+        final = client.get(f"/rooms/{room}", params={"wait": 20}).json()
+        assert final["state"] == "SUCCESS"
+        assert final["output_ids"] == generate(model, encode_text("after"), 7)
+    wait_for(lambda: pools_full(prefill, decode), 10, "pools full")
