@@ -54,6 +54,7 @@ async def register_node(reg: NodeRegistration, cluster: ClusterDep) -> dict[str,
     return {
         "node_id": node.id,
         "report_endpoint": cluster.report_endpoint,
+        "token": cluster.token,
         "node_ttl_s": cluster.settings.node_ttl_s,
     }
 

@@ -2,6 +2,7 @@
 
 import asyncio
 import logging
+import secrets
 
 import zmq.asyncio
 
@@ -38,6 +39,8 @@ class Cluster:
             )
         self.zmq = zmq.asyncio.Context()
         self.push = PushSockets(self.zmq)
+        # Nodes take room assignments and aborts only when they carry this token.
+        self.token = secrets.token_hex(16)
 
     @property
     def report_endpoint(self) -> str:
@@ -89,6 +92,7 @@ class Cluster:
                     protocol.PrefillRoom(
                         room=record.id,
                         rank=peer.rank,
+                        token=self.token,
                         input_ids=input_ids,
                         decode_node=decode.id,
                         decode_ranks=decode.peers,
@@ -103,6 +107,7 @@ class Cluster:
                     protocol.DecodeRoom(
                         room=record.id,
                         rank=peer.rank,
+                        token=self.token,
                         prompt_len=len(input_ids),
                         max_new_tokens=max_new_tokens,
                         prefill_node=prefill.id,
@@ -119,20 +124,21 @@ class Cluster:
     def abort(self, record: RoomRecord) -> bool:
         return self._fail(record, FailureReason.ABORTED)
 
-    def _fail(self, record: RoomRecord, reason: str, skip: Node | None = None) -> bool:
+    def _fail(self, record: RoomRecord, reason: str) -> bool:
         if not self.book.fail(record, reason):
             return False
         self._count_end(record)
         for node in (record.prefill, record.decode):
-            if node is not skip:
-                self._abort_on(node, record, reason)
+            self._abort_on(node, record, reason)
         return True
 
     def _abort_on(self, node: Node, record: RoomRecord, reason: str) -> None:
         for peer in node.peers:
             self.push.send(
                 peer.zmq_endpoint,
-                protocol.encode(protocol.AbortRoom(room=record.id, rank=peer.rank, reason=reason)),
+                protocol.encode(
+                    protocol.AbortRoom(room=record.id, rank=peer.rank, token=self.token, reason=reason)
+                ),
             )
 
     def _count_end(self, record: RoomRecord) -> None:
@@ -165,6 +171,7 @@ class Cluster:
         try:
             while True:
                 frames = await sock.recv_multipart(copy=False)
+                self.metrics.received.inc()
                 buffers = [f.buffer for f in frames]
                 try:
                     msg, _ = protocol.decode(buffers)

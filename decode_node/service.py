@@ -86,13 +86,9 @@ class DecodeService(NodeService):
 
     # -- messages -----------------------------------------------------------------
 
-    def _check_rank(self, rank: int, room: int) -> None:
-        if rank != self.rank:
-            raise RejectedMessage(f"rank {rank} is not served here", room=room, kind="bad_rank")
-
     def _job_for(self, room: int, rank: int, prefill_rank: int) -> DecodeJob:
         """The live room a prefill message addresses, after the checks that need no room data."""
-        self._check_rank(rank, room)
+        self.check_rank(rank, room)
         job = self.rooms.live.get(room)
         if job is None:
             known = self.rooms.find(room) is not None
@@ -109,7 +105,7 @@ class DecodeService(NodeService):
         return job
 
     def _on_room(self, msg: protocol.DecodeRoom) -> None:
-        self._check_rank(msg.rank, msg.room)
+        self.check_origin(msg)
         if self.rooms.find(msg.room) is not None:
             raise RejectedMessage("room already known", room=msg.room, kind="duplicate")
         job = DecodeJob(msg, self)
@@ -208,7 +204,7 @@ class DecodeService(NodeService):
         job.advance_to(RoomState.TRANSFERRING)
 
     def _on_released(self, msg: protocol.RoomReleased) -> None:
-        self._check_rank(msg.rank, msg.room)
+        self.check_rank(msg.rank, msg.room)
         job = self.fenced.get(msg.room) or self.rooms.live.get(msg.room)
         if not isinstance(job, DecodeJob) or msg.prefill_rank not in job.leased:
             raise RejectedMessage("release for a room holding no lease", room=msg.room, kind="unknown_room")
@@ -221,8 +217,9 @@ class DecodeService(NodeService):
             self._release(job)
 
     def _on_abort(self, msg: protocol.AbortRoom) -> None:
+        self.check_origin(msg)
         job = self.rooms.live.get(msg.room)
-        if msg.rank != self.rank or job is None:
+        if job is None:
             log.debug("room=%d abort for a room not live here", msg.room, extra={"room": msg.room})
             return
         assert isinstance(job, DecodeJob)
@@ -255,7 +252,9 @@ class DecodeService(NodeService):
             peer = job.prefill_ranks[rank]
             self.send(
                 peer.zmq_endpoint,
-                protocol.encode(protocol.AbortRoom(room=job.id, rank=rank, reason=str(reason))),
+                protocol.encode(
+                    protocol.AbortRoom(room=job.id, rank=rank, token=self.token or "-", reason=str(reason))
+                ),
             )
         job.lease_deadline = time.monotonic() + self.settings.lease_timeout_s
         self._release(job)

@@ -58,12 +58,8 @@ class PrefillService(NodeService):
 
     # -- messages -----------------------------------------------------------------
 
-    def _check_rank(self, msg: protocol.PrefillRoom | protocol.TransferRequest | protocol.AbortRoom) -> None:
-        if msg.rank != self.rank:
-            raise RejectedMessage(f"rank {msg.rank} is not served here", room=msg.room, kind="bad_rank")
-
     def _on_room(self, msg: protocol.PrefillRoom) -> None:
-        self._check_rank(msg)
+        self.check_origin(msg)
         if self.rooms.find(msg.room) is not None:
             raise RejectedMessage("room already known", room=msg.room, kind="duplicate")
         job = PrefillJob(msg, self)
@@ -81,7 +77,7 @@ class PrefillService(NodeService):
             self._on_request(early[0])
 
     def _on_request(self, req: protocol.TransferRequest) -> None:
-        self._check_rank(req)
+        self.check_rank(req.rank, req.room)
         job = self.rooms.live.get(req.room)
         if job is None:
             if self.rooms.find(req.room) is not None:
@@ -124,7 +120,7 @@ class PrefillService(NodeService):
             raise reject("repeated page index", "out_of_range")
 
     def _on_abort(self, msg: protocol.AbortRoom) -> None:
-        self._check_rank(msg)
+        self.check_origin(msg)
         self.early.pop(msg.room, None)
         job = self.rooms.find(msg.room)
         if job is None:

@@ -25,6 +25,9 @@ class ServiceMetrics:
         self.rejected = Counter(
             "kvroom_messages_rejected_total", "Messages dropped, by kind of fault", ["kind"], registry=r
         )
+        self.received = Counter(
+            "kvroom_messages_received_total", "ZMQ messages read from this service's sockets", registry=r
+        )
         self.rooms = Gauge("kvroom_rooms", "Rooms by current state", ["state"], registry=r)
         self.transfer_bytes = Counter("kvroom_transfer_bytes_total", "KV bytes written to peers", registry=r)
         self.transfer_seconds = Histogram(

@@ -21,7 +21,7 @@ import zmq.asyncio
 from fastapi import FastAPI, HTTPException, Response
 
 from shared import protocol
-from shared.errors import ProtocolError, RegistrationError
+from shared.errors import ProtocolError, RegistrationError, RejectedMessage
 from shared.kv_pool import KVPool
 from shared.metrics import CONTENT_TYPE_LATEST, ServiceMetrics
 from shared.model import ModelConfig, ReferenceModel
@@ -64,6 +64,7 @@ class NodeService(abc.ABC):
         self.zmq = zmq.asyncio.Context()
         self._push = PushSockets(self.zmq)
         self._report_endpoint: str | None = None
+        self.token: str | None = None  # from the bootstrap, at registration
         self._tasks: set[asyncio.Task[Any]] = set()
         self._stop = asyncio.Event()
         self.registered = asyncio.Event()
@@ -91,6 +92,18 @@ class NodeService(abc.ABC):
     async def background(self) -> None:
         """Subclass hook for periodic work (timeouts); runs until stop."""
         await self._stop.wait()
+
+    def check_origin(self, msg: protocol.PrefillRoom | protocol.DecodeRoom | protocol.AbortRoom) -> None:
+        """Room assignments and aborts count only from our bootstrap and its nodes."""
+        if self.token is None or msg.token != self.token:
+            raise RejectedMessage(
+                "room assignment without this cluster's token", room=msg.room, kind="unauthorized"
+            )
+        self.check_rank(msg.rank, msg.room)
+
+    def check_rank(self, rank: int, room: int) -> None:
+        if rank != self.rank:
+            raise RejectedMessage(f"rank {rank} is not served here", room=room, kind="bad_rank")
 
     # -- room bookkeeping -------------------------------------------------------
 
@@ -137,6 +150,7 @@ class NodeService(abc.ABC):
     async def _receive(self, sock: zmq.asyncio.Socket) -> None:
         while True:
             frames = await sock.recv_multipart(copy=False)
+            self.metrics.received.inc()
             buffers = [frame.buffer for frame in frames]
             try:
                 msg, aux = protocol.decode(buffers)
@@ -177,7 +191,9 @@ class NodeService(abc.ABC):
         resp = await client.post("/nodes", json=self.registration())
         if resp.status_code != 201:
             raise RegistrationError(f"bootstrap refused registration: {resp.status_code} {resp.text}")
-        self._report_endpoint = resp.json()["report_endpoint"]
+        body = resp.json()
+        self._report_endpoint = body["report_endpoint"]
+        self.token = body["token"]
         self.registered.set()
         log.info("registered with %s as %s", self.settings.bootstrap_url, self.node_id)
 

@@ -44,6 +44,9 @@ Rank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_RANKS)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
 Token = Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
 Endpoint = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+# Room assignments and aborts carry the token the bootstrap hands out at registration,
+# so a node takes them only from its own cluster.
+Token64 = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
 Text = Annotated[str, msgspec.Meta(max_length=256)]
 
 
@@ -70,6 +73,7 @@ class PrefillRoom(msgspec.Struct, frozen=True):
 
     room: RoomId
     rank: Rank
+    token: Token64
     input_ids: Annotated[list[Token], msgspec.Meta(min_length=1, max_length=MAX_TOKENS)]
     decode_node: Text
     decode_ranks: Annotated[list[PeerRank], msgspec.Meta(min_length=1, max_length=MAX_RANKS)]
@@ -80,6 +84,7 @@ class DecodeRoom(msgspec.Struct, frozen=True):
 
     room: RoomId
     rank: Rank
+    token: Token64
     prompt_len: Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS)]
     max_new_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS)]
     prefill_node: Text
@@ -91,6 +96,7 @@ class AbortRoom(msgspec.Struct, frozen=True):
 
     room: RoomId
     rank: Rank
+    token: Token64
     reason: Text
 
 

@@ -1,5 +1,6 @@
 """Outbound ZMQ: one PUSH socket per peer endpoint, sends that never block the loop."""
 
+import collections
 import logging
 
 import zmq
@@ -10,24 +11,39 @@ log = logging.getLogger(__name__)
 # A frame past this is dropped by ZMQ itself, before Python sees it.
 MAX_MESSAGE_BYTES = 4 << 20
 SEND_HWM = 100_000
+# Endpoints come from peers; keep a bounded number of sockets open, least recently used out.
+MAX_PEER_SOCKETS = 256
 
 
 class PushSockets:
-    def __init__(self, context: zmq.asyncio.Context):
+    def __init__(self, context: zmq.asyncio.Context, max_sockets: int = MAX_PEER_SOCKETS):
         self._context = context
-        self._sockets: dict[str, zmq.asyncio.Socket] = {}
+        self._sockets: collections.OrderedDict[str, zmq.asyncio.Socket] = collections.OrderedDict()
+        self._max = max_sockets
+
+    def _socket(self, endpoint: str) -> zmq.asyncio.Socket:
+        sock = self._sockets.get(endpoint)
+        if sock is not None:
+            self._sockets.move_to_end(endpoint)
+            return sock
+        sock = self._context.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+        try:
+            sock.connect(endpoint)
+        except zmq.ZMQError:
+            sock.close(0)
+            raise
+        self._sockets[endpoint] = sock
+        if len(self._sockets) > self._max:
+            _, oldest = self._sockets.popitem(last=False)
+            oldest.close(0)
+        return sock
 
     def send(self, endpoint: str, frames: list[bytes]) -> bool:
         """Queue a message to ``endpoint``; False if it could not be queued."""
-        sock = self._sockets.get(endpoint)
-        if sock is None:
-            sock = self._context.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDHWM, SEND_HWM)
-            sock.connect(endpoint)
-            self._sockets[endpoint] = sock
         try:
-            sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            self._socket(endpoint).send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
         except zmq.ZMQError as exc:
             log.warning("could not queue a message to %s: %s", endpoint, exc)
             return False

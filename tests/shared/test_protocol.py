@@ -8,11 +8,19 @@ from shared.errors import FrameTooLarge, MalformedFrame, UnknownMessageType, Ver
 
 PEER = protocol.PeerRank(rank=0, session_id="127.0.0.1:1234", zmq_endpoint="tcp://127.0.0.1:5555")
 MESSAGES = [
-    protocol.PrefillRoom(room=1, rank=0, input_ids=[1, 2, 3], decode_node="d", decode_ranks=[PEER]),
-    protocol.DecodeRoom(
-        room=(1 << 63) - 1, rank=0, prompt_len=3, max_new_tokens=4, prefill_node="p", prefill_ranks=[PEER]
+    protocol.PrefillRoom(
+        room=1, rank=0, token="t", input_ids=[1, 2, 3], decode_node="d", decode_ranks=[PEER]
     ),
-    protocol.AbortRoom(room=5, rank=0, reason="aborted"),
+    protocol.DecodeRoom(
+        room=(1 << 63) - 1,
+        token="t",
+        rank=0,
+        prompt_len=3,
+        max_new_tokens=4,
+        prefill_node="p",
+        prefill_ranks=[PEER],
+    ),
+    protocol.AbortRoom(room=5, rank=0, token="t", reason="aborted"),
     protocol.TransferRequest(
         room=5,
         rank=0,
@@ -61,7 +69,7 @@ def header(version=protocol.PROTOCOL_VERSION, kind=protocol.Kind.ABORT_ROOM, mag
     return struct.pack("!4sHB", magic, version, kind)
 
 
-BODY = msgspec.msgpack.encode({"room": 5, "rank": 0, "reason": "x"})
+BODY = msgspec.msgpack.encode({"room": 5, "rank": 0, "token": "t", "reason": "x"})
 
 
 @pytest.mark.parametrize(
@@ -88,11 +96,26 @@ BODY = msgspec.msgpack.encode({"room": 5, "rank": 0, "reason": "x"})
         ),
         ([header(), b"\xc1garbage"], MalformedFrame),
         ([header(), BODY[:-2]], MalformedFrame),
-        ([header(), msgspec.msgpack.encode({"room": 0, "rank": 0, "reason": "x"})], MalformedFrame),
-        ([header(), msgspec.msgpack.encode({"room": 1 << 63, "rank": 0, "reason": "x"})], MalformedFrame),
-        ([header(), msgspec.msgpack.encode({"room": -3, "rank": 0, "reason": "x"})], MalformedFrame),
-        ([header(), msgspec.msgpack.encode({"room": 3, "rank": 999, "reason": "x"})], MalformedFrame),
-        ([header(), msgspec.msgpack.encode({"room": "3", "rank": 0, "reason": "x"})], MalformedFrame),
+        (
+            [header(), msgspec.msgpack.encode({"room": 0, "rank": 0, "token": "t", "reason": "x"})],
+            MalformedFrame,
+        ),
+        (
+            [header(), msgspec.msgpack.encode({"room": 1 << 63, "rank": 0, "token": "t", "reason": "x"})],
+            MalformedFrame,
+        ),
+        (
+            [header(), msgspec.msgpack.encode({"room": -3, "rank": 0, "token": "t", "reason": "x"})],
+            MalformedFrame,
+        ),
+        (
+            [header(), msgspec.msgpack.encode({"room": 3, "rank": 999, "token": "t", "reason": "x"})],
+            MalformedFrame,
+        ),
+        (
+            [header(), msgspec.msgpack.encode({"room": "3", "rank": 0, "token": "t", "reason": "x"})],
+            MalformedFrame,
+        ),
         ([header(), b"\x00" * (protocol.MAX_BODY_BYTES + 1)], FrameTooLarge),
     ],
 )
