@@ -28,19 +28,24 @@ class BodyLimit:
             await self._refuse(send)
             return
         seen = 0
+        refused = False
 
         async def counting_receive() -> Message:
-            nonlocal seen
+            nonlocal seen, refused
             message = await receive()
             seen += len(message.get("body", b""))
-            if seen > self.limit:
-                raise _TooLarge
+            if seen > self.limit and not refused:
+                # Answer now and tell the app the client is gone; it stops reading.
+                refused = True
+                await self._refuse(send)
+                return {"type": "http.disconnect"}
             return message
 
-        try:
-            await self.app(scope, counting_receive, send)
-        except _TooLarge:
-            await self._refuse(send)
+        async def guarded_send(message: Message) -> None:
+            if not refused:
+                await send(message)
+
+        await self.app(scope, counting_receive, guarded_send)
 
     async def _refuse(self, send: Send) -> None:
         body = b'{"detail":"request body too large"}'
@@ -55,10 +60,6 @@ class BodyLimit:
             }
         )
         await send({"type": "http.response.body", "body": body})
-
-
-class _TooLarge(Exception):
-    pass
 
 
 def create_app(settings: BootstrapSettings) -> FastAPI:

@@ -91,6 +91,13 @@ def test_body_far_too_large_is_413(client):
     resp = client.post("/rooms", content=b"x" * (65 * 1024), headers={"content-type": "application/json"})
     assert resp.status_code == 413
 
+    def chunks():  # no content-length: counted as it streams in
+        for _ in range(100):
+            yield b"x" * 4096
+
+    resp = client.post("/rooms", content=chunks(), headers={"content-type": "application/json"})
+    assert resp.status_code == 413 and resp.json()["detail"] == "request body too large"
+
 
 def test_registration_validation_and_layout_check(client):
     assert client.post("/nodes", json=registration()).status_code == 201

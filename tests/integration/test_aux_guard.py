@@ -13,16 +13,13 @@ from tests.integration.holding_proxy import HoldingProxy
 
 @pytest.fixture
 def held(stack):
-    """Prefill and decode nodes with every done+aux message to the decode held back."""
+    """Start prefill and decode nodes with a proxy in front of the decode holding ``kinds``."""
 
-    def hold(msg: protocol.Message) -> bool:
-        return isinstance(msg, protocol.KvDone)
-
-    def start(*decode_args: str):
+    def start(*decode_args: str, kinds: tuple[type, ...] = (protocol.KvDone,)):
         stack.bootstrap.start()
         stack.bootstrap.wait_healthy(registered=False)
         decode = stack.node("decode", "decode-0", list(decode_args))
-        proxy = exits.enter_context(HoldingProxy(decode.zmq_port, hold))
+        proxy = exits.enter_context(HoldingProxy(decode.zmq_port, lambda m: isinstance(m, kinds)))
         decode.args += ["--advertise-zmq-port", str(proxy.port)]
         decode.start()
         prefill = stack.node("prefill", "prefill-0").start()
@@ -119,3 +116,26 @@ def test_aux_naming_another_room_fails_only_that_room(stack, held, model):
         assert final_b["state"] == "SUCCESS"
         assert final_b["output_ids"] == generate(model, encode_text("room b"), 5)
         wait_for(lambda: pools_full(prefill, decode), 10, "pools back to full")
+
+
+@pytest.mark.parametrize(
+    ("kinds", "reason"),
+    [
+        ((protocol.TransferAccepted, protocol.TransferStarted, protocol.KvDone), "bootstrap_timeout"),
+        ((protocol.TransferStarted, protocol.KvDone), "waiting_timeout"),
+        ((protocol.KvDone,), "transfer_timeout"),
+    ],
+)
+def test_each_waiting_state_times_out_with_its_reason(stack, held, kinds, reason):
+    flags = ["--bootstrap-timeout-s", "1", "--waiting-timeout-s", "1", "--transfer-timeout-s", "1"]
+    prefill, decode, proxy = held(*flags, kinds=kinds)
+    with stack.client() as client:
+        room = client.post("/rooms", json={"prompt": "stuck", "max_new_tokens": 4}).json()["room"]
+        final = client.get(f"/rooms/{room}", params={"wait": 20}).json()
+        assert (final["state"], final["reason"]) == ("FAILED", reason)
+        assert node_room(decode, room)["reason"] == reason
+        assert metric(decode, "kvroom_room_failures_total", f'reason="{reason}"') == 1
+        assert metric(stack.bootstrap, "kvroom_room_failures_total", f'reason="{reason}"') == 1
+        proxy.release()  # whatever comes late changes nothing
+        wait_for(lambda: pools_full(prefill, decode), 10, "pools back to full")
+        assert client.get(f"/rooms/{room}").json()["state"] == "FAILED"
