@@ -4,7 +4,8 @@ import abc
 import ctypes
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, MutableMapping
+from dataclasses import dataclass
 from typing import Literal
 
 from shared.errors import TransferError
@@ -44,18 +45,41 @@ def coalesce(
     return writes
 
 
-def engine_environment(transport: Transport) -> dict[str, str]:
-    """Environment the engine reads at start-up to pick its transport.
+_TRANSPORT_VARIABLES = ("MC_FORCE_TCP", "MC_INTRANODE_NVLINK", "MC_FORCE_MNNVL")
 
-    The engine discovers the transport from these variables, not from the
-    protocol argument, so they are set explicitly for every choice.
+
+@dataclass(frozen=True)
+class EngineSetup:
+    """How to start the engine for a transport: its arguments and environment.
+
+    The engine picks its transport at start-up from environment variables, and
+    it tests some of them for presence, not value: a variable set to "0" still
+    counts. So every transport variable is either set or removed explicitly.
+    The protocol argument only chooses the memory allocator.
     """
-    env = {"MC_FORCE_TCP": "0", "MC_INTRANODE_NVLINK": "0"}
+
+    protocol: str
+    device_name: str
+    environment: dict[str, str]
+    unset: tuple[str, ...]
+
+    def apply(self, environ: MutableMapping[str, str]) -> None:
+        for name in self.unset:
+            environ.pop(name, None)
+        environ.update(self.environment)
+
+
+def engine_setup(transport: Transport, rdma_devices: str = "") -> EngineSetup:
     if transport == "tcp":
-        env["MC_FORCE_TCP"] = "1"
-    elif transport == "nvlink":
-        env["MC_INTRANODE_NVLINK"] = "1"
-    return env
+        env = {"MC_FORCE_TCP": "1"}
+        return EngineSetup("tcp", "", env, tuple(v for v in _TRANSPORT_VARIABLES if v not in env))
+    if transport == "rdma":
+        # Named devices (mlx5_0,mlx5_1) or, when empty, every HCA the engine discovers.
+        return EngineSetup("rdma", rdma_devices, {}, _TRANSPORT_VARIABLES)
+    if transport == "nvlink":
+        env = {"MC_INTRANODE_NVLINK": "1"}
+        return EngineSetup("rdma", "", env, tuple(v for v in _TRANSPORT_VARIABLES if v not in env))
+    raise ValueError(f"unknown transport {transport!r}")
 
 
 class TransferEngine(abc.ABC):
@@ -93,13 +117,14 @@ class MooncakeEngine(TransferEngine):
         rdma_devices: str = "",
         advertise_host: str | None = None,
     ):
-        os.environ.update(engine_environment(transport))
+        setup = engine_setup(transport, rdma_devices)
+        setup.apply(os.environ)
         try:
             from mooncake.engine import TransferEngine as _Engine
         except ImportError as exc:
             raise TransferError("the mooncake transfer engine is not installed") from exc
         self._engine = _Engine()
-        rc = self._engine.initialize(hostname, "P2PHANDSHAKE", transport, rdma_devices)
+        rc = self._engine.initialize(hostname, "P2PHANDSHAKE", setup.protocol, setup.device_name)
         if rc != 0:
             raise TransferError(f"engine initialize({hostname}, {transport}) returned {rc}")
         self._session_id = f"{advertise_host or hostname}:{self._engine.get_rpc_port()}"

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from shared.errors import TransferError
-from shared.transfer import FakeEngine, coalesce, engine_environment
+from shared.transfer import FakeEngine, coalesce, engine_setup
 
 PB = 100
 
@@ -28,10 +28,38 @@ def test_empty_and_mismatched():
         coalesce(0, [1], 0, [], PB)
 
 
-def test_transport_environment():
-    assert engine_environment("tcp")["MC_FORCE_TCP"] == "1"
-    assert engine_environment("rdma") == {"MC_FORCE_TCP": "0", "MC_INTRANODE_NVLINK": "0"}
-    assert engine_environment("nvlink")["MC_INTRANODE_NVLINK"] == "1"
+STALE = {"MC_FORCE_TCP": "0", "MC_INTRANODE_NVLINK": "0", "MC_FORCE_MNNVL": "1", "OTHER": "kept"}
+
+
+def test_tcp_setup_forces_tcp_and_clears_the_rest():
+    setup = engine_setup("tcp")
+    env = dict(STALE)
+    setup.apply(env)
+    assert (setup.protocol, setup.device_name) == ("tcp", "")
+    assert env == {"MC_FORCE_TCP": "1", "OTHER": "kept"}
+
+
+def test_rdma_setup_names_devices_and_removes_every_override():
+    setup = engine_setup("rdma", "mlx5_0,mlx5_1")
+    env = dict(STALE)
+    setup.apply(env)
+    assert (setup.protocol, setup.device_name) == ("rdma", "mlx5_0,mlx5_1")
+    # Present-but-zero would still force TCP: the variable must be gone.
+    assert env == {"OTHER": "kept"}
+    assert engine_setup("rdma").device_name == ""
+
+
+def test_nvlink_setup_selects_intra_node_nvlink():
+    setup = engine_setup("nvlink")
+    env = dict(STALE)
+    setup.apply(env)
+    assert env == {"MC_INTRANODE_NVLINK": "1", "OTHER": "kept"}
+    assert setup.protocol == "rdma"
+
+
+def test_unknown_transport():
+    with pytest.raises(ValueError):
+        engine_setup("carrier-pigeon")  # type: ignore[arg-type]
 
 
 def test_fake_engine_moves_bytes_and_refuses_foreign_memory():
