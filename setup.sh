@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
 # Installs what kvroom needs on a fresh Debian or Ubuntu host:
 # the system package libibverbs1 (the transfer engine loads it) and a virtualenv in .venv.
-# Usage: bash setup.sh [EXTRAS]   (EXTRAS default "cpu"; "cpu,dev" adds the test tools)
+# Usage: bash setup.sh [EXTRAS]   (EXTRAS default "cpu"; "cpu,dev" adds the test tools,
+# including Chromium and its driver for the status-page test)
 set -euo pipefail
 cd "$(dirname "$0")"
 extras="${1:-cpu}"
 sudo=""
 [ "$(id -u)" -ne 0 ] && sudo="sudo"
-if ! dpkg -s libibverbs1 >/dev/null 2>&1; then
+packages="libibverbs1"
+[[ ",$extras," == *",dev,"* ]] && packages="$packages chromium chromium-driver"
+missing=""
+for p in $packages; do dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"; done
+if [ -n "$missing" ]; then
   $sudo apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq libibverbs1 >/dev/null
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq $missing >/dev/null
 fi
 python=$(command -v python3.11 || command -v python3)
 [ -x .venv/bin/python ] || "$python" -m venv .venv

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from bootstrap import api
+from bootstrap import api, status_page
 from bootstrap.cluster import Cluster
 from bootstrap.settings import BootstrapSettings
 
@@ -90,4 +90,5 @@ def create_app(settings: BootstrapSettings) -> FastAPI:
     app.include_router(api.nodes)
     app.include_router(api.rooms)
     app.include_router(api.ops)
+    app.include_router(status_page.router)
     return app

@@ -50,8 +50,10 @@ def decode_text(ids: list[int]) -> str:
 
 
 class ReferenceModel:
-    def __init__(self, config: ModelConfig | None = None):
+    def __init__(self, config: ModelConfig | None = None, device: str = "cpu"):
+        """Weights are drawn on the CPU from the seed, then moved: the same on every host."""
         self.config = c = config or ModelConfig()
+        self.device = torch.device(device)
         g = torch.Generator().manual_seed(c.seed)
 
         def weight(*shape: int, fan_in: int) -> torch.Tensor:
@@ -72,6 +74,9 @@ class ReferenceModel:
         self.head = weight(c.hidden, c.vocab_size, fan_in=c.hidden)
         self._printable = torch.zeros(c.vocab_size, dtype=torch.bool)
         self._printable[32:127] = True
+        for name in ("embed", "pos", "head", "_printable"):
+            setattr(self, name, getattr(self, name).to(self.device))
+        self.layers = [{k: w.to(self.device) for k, w in layer.items()} for layer in self.layers]
 
     @staticmethod
     def _norm(x: torch.Tensor) -> torch.Tensor:
@@ -102,7 +107,7 @@ class ReferenceModel:
         scores = (q @ k.transpose(1, 2)) / math.sqrt(q.shape[-1])
         if causal:
             t = scores.shape[-1]
-            mask = torch.ones(t, t, dtype=torch.bool).triu(1)
+            mask = torch.ones(t, t, dtype=torch.bool, device=scores.device).triu(1)
             scores = scores.masked_fill(mask, float("-inf"))
         return (torch.softmax(scores, dim=-1) @ v).transpose(0, 1)
 
@@ -113,7 +118,7 @@ class ReferenceModel:
         ps = pool.layout.page_size
         if len(pages) < pool.layout.pages_for(n):
             raise ValueError(f"{n} tokens need {pool.layout.pages_for(n)} pages, got {len(pages)}")
-        h = self.embed[torch.tensor(input_ids)] + self.pos[:n]
+        h = self.embed[torch.tensor(input_ids, device=self.device)] + self.pos[:n]
         for li, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, h)
             for i, page in enumerate(pages[: pool.layout.pages_for(n)]):
@@ -128,7 +133,7 @@ class ReferenceModel:
         """Feed ``token`` at ``position`` over the KV already in ``pages``."""
         ps = pool.layout.page_size
         page, slot = pages[position // ps], position % ps
-        used = torch.tensor(pages[: position // ps + 1])
+        used = torch.tensor(pages[: position // ps + 1], device=self.device)
         h = self.embed[token : token + 1] + self.pos[position : position + 1]
         for li, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, h)
@@ -162,7 +167,7 @@ def generate(
     """Prefill and decode in one process: the reference every disaggregated run must equal."""
     layout = model.config.kv_layout(page_size)
     n = pages_needed(layout, len(input_ids), max_new_tokens)
-    pool = KVPool(layout, n)
+    pool = KVPool(layout, n, str(model.device))
     pages = pool.alloc(n)
     first, _ = model.prefill(pool, pages, input_ids)
     return model.decode(pool, pages, len(input_ids), first, max_new_tokens)
@@ -173,9 +178,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     args = parser.parse_args(argv)
     configure_determinism()
-    ids = generate(ReferenceModel(), encode_text(args.prompt), args.max_new_tokens, args.page_size)
+    model = ReferenceModel(device=args.device)
+    ids = generate(model, encode_text(args.prompt), args.max_new_tokens, args.page_size)
     print(json.dumps({"output_ids": ids, "text": decode_text(ids)}))
 
 

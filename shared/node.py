@@ -50,7 +50,7 @@ class NodeService(abc.ABC):
         self.node_id = settings.resolved_node_id(self.role)
         self.metrics = ServiceMetrics(self.role)
         self.rooms = RoomTable()
-        self.model = ReferenceModel(ModelConfig())
+        self.model = ReferenceModel(ModelConfig(), settings.device)
         self.layout = self.model.config.kv_layout(settings.page_size)
         self.engine = engine or MooncakeEngine(
             settings.engine_host or settings.public_host,

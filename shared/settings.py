@@ -66,5 +66,14 @@ class NodeSettings(ServiceSettings):
     heartbeat_interval_s: float = Field(1.0, gt=0, description="seconds between heartbeats")
     register_retry_s: float = Field(0.5, gt=0, description="seconds between registration attempts")
 
+    @model_validator(mode="after")
+    def _cuda_needs_a_gpu(self) -> "NodeSettings":
+        if self.device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ValueError("device=cuda but this host has no usable CUDA device")
+        return self
+
     def resolved_node_id(self, role: str) -> str:
         return self.node_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
