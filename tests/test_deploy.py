@@ -1,0 +1,140 @@
+"""The docker files, checked statically: no Docker engine is needed to keep them honest."""
+
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from pydantic_settings import BaseSettings
+
+from bootstrap.settings import BootstrapSettings
+from decode_node.settings import DecodeSettings
+from prefill_node.settings import PrefillSettings
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCKER = ROOT / "docker"
+SETTINGS: dict[str, type[BaseSettings]] = {
+    "bootstrap": BootstrapSettings,
+    "prefill_node": PrefillSettings,
+    "decode_node": DecodeSettings,
+}
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+class ComposeLoader(yaml.SafeLoader):
+    pass
+
+
+ComposeLoader.add_constructor("!reset", lambda loader, node: {"!reset": True})
+
+
+def load(name: str) -> dict[str, Any]:
+    return yaml.load((DOCKER / name).read_text(), Loader=ComposeLoader)
+
+
+def with_defaults(value: str) -> str:
+    """Compose's ${VAR:-default} with no VAR set."""
+    return re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", str(value))
+
+
+def merged(base: dict[str, Any], override: dict[str, Any] | None) -> dict[str, Any]:
+    services = {name: dict(svc) for name, svc in base["services"].items()}
+    for name, svc in (override or {}).get("services", {}).items():
+        target = services[name]
+        for key, value in svc.items():
+            if value == {"!reset": True}:
+                target.pop(key, None)
+            elif key == "environment":
+                target["environment"] = {**target.get("environment", {}), **value}
+            else:
+                target[key] = value
+    return services
+
+
+VARIANTS = {
+    "gpu": merged(load("compose.yaml"), None),
+    "cpu": merged(load("compose.yaml"), load("compose.cpu.yaml")),
+}
+
+
+def pin(package: str) -> str:
+    deps = PYPROJECT["project"]["dependencies"] + [
+        d for extra in PYPROJECT["project"]["optional-dependencies"].values() for d in extra
+    ]
+    return next(d.split("==")[1] for d in deps if d.split("==")[0] == package)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_services_run_real_entry_points_with_real_settings(variant):
+    services = VARIANTS[variant]
+    assert set(services) == {"bootstrap", "prefill", "decode"}
+    for name, svc in services.items():
+        python, dash_m, package = svc["command"]
+        assert (python, dash_m) == ("python", "-m") and package in SETTINGS, name
+        cls = SETTINGS[package]
+        prefix = cls.model_config["env_prefix"]
+        env = {k: with_defaults(v) for k, v in svc["environment"].items()}
+        fields = {}
+        for key, value in env.items():
+            assert key.startswith(prefix), f"{name}: {key} is not a {prefix} setting"
+            field = key.removeprefix(prefix).lower()
+            assert field in cls.model_fields, f"{name}: {key} is not a setting"
+            fields[field] = value
+        if fields.get("device") == "cuda":  # validated on a GPU host at start-up; the name is checked here
+            fields["device"] = "cpu"
+        settings = cls(**fields)
+        health = svc["healthcheck"]["test"]
+        assert health[:3] == ["CMD", "curl", "-fsS"]
+        assert health[3] == f"http://127.0.0.1:{settings.http_port}/health"
+        if name != "bootstrap":
+            assert svc["depends_on"] == {"bootstrap": {"condition": "service_healthy"}}
+            assert settings.bootstrap_url.endswith(":8000")
+
+
+def test_entry_points_start():
+    for package in SETTINGS:
+        out = subprocess.run(
+            [sys.executable, "-m", package, "--help"], capture_output=True, text=True, timeout=120
+        )
+        assert out.returncode == 0 and "usage:" in out.stdout, package
+
+
+def test_gpu_variant_reserves_one_gpu_per_node_and_sets_the_transport():
+    services = VARIANTS["gpu"]
+    for name, gpu_default in (("prefill", "0"), ("decode", "1")):
+        svc = services[name]
+        (device,) = svc["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+        assert [with_defaults(d) for d in device["device_ids"]] == [gpu_default]
+        assert svc["ipc"] == "host" and svc["shm_size"]
+        assert svc["ulimits"]["memlock"] == -1
+        prefix = "KVROOM_PREFILL_" if name == "prefill" else "KVROOM_DECODE_"
+        assert svc["environment"][prefix + "TRANSPORT"] == "${KVROOM_TRANSPORT:-nvlink}"
+        assert svc["environment"][prefix + "DEVICE"] == "cuda"
+
+
+def test_cpu_variant_drops_gpus():
+    for name in ("prefill", "decode"):
+        svc = VARIANTS["cpu"][name]
+        assert "deploy" not in svc
+        assert svc["build"]["dockerfile"] == "docker/Dockerfile.cpu"
+        assert with_defaults(svc["image"]) == "kvroom:cpu"
+
+
+def test_images_install_the_pinned_versions():
+    gpu = (DOCKER / "Dockerfile").read_text()
+    cpu = (DOCKER / "Dockerfile.cpu").read_text()
+    assert 'pip install ".[cuda]"' in gpu and 'pip install ".[cpu]"' in cpu
+    assert f"torch=={pin('torch')}" in cpu
+    assert pin("mooncake-transfer-engine") == pin("mooncake-transfer-engine-non-cuda")
+    assert "python3.11" in gpu and "FROM python:3.11." in cpu
+    for text in (gpu, cpu):
+        assert "libibverbs1" in text
+        assert re.search(r"^USER (?!root)\w+", text, re.M), "images run as a non-root user"
+        assert "COPY pyproject.toml" in text
+    assert "rdma-core" in gpu and "ibverbs-providers" in gpu
+    assert (ROOT / ".dockerignore").read_text().splitlines()[1] == "*"
