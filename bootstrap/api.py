@@ -4,6 +4,7 @@ import asyncio
 import contextlib
 from typing import Annotated, Any, Literal
 
+import msgspec
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response
 from pydantic import BaseModel, Field, model_validator
 
@@ -72,9 +73,28 @@ async def list_nodes(cluster: ClusterDep) -> list[dict[str, Any]]:
     return [node.view() for node in cluster.registry.nodes.values()]
 
 
-@rooms.post("/rooms", status_code=201)
-async def create_room(body: RoomRequest, cluster: ClusterDep) -> dict[str, Any]:
+WaitQuery = Annotated[float, Query(ge=0, description="seconds to wait for the room to finish")]
+
+
+def room_response(record: RoomRecord, status: int = 200) -> Response:
+    # Encoded directly: the view is plain data, and this is the hot path of every client.
+    return Response(msgspec.json.encode(record.view()), status, media_type="application/json")
+
+
+async def wait_finished(cluster: Cluster, record: RoomRecord, wait: float) -> None:
+    if wait > cluster.settings.max_wait_s:
+        raise HTTPException(422, f"wait above {cluster.settings.max_wait_s}s")
+    if wait and not record.finished.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(record.finished.wait(), wait)
+
+
+@rooms.post("/rooms", status_code=201, response_class=Response)
+async def create_room(body: RoomRequest, cluster: ClusterDep, wait: WaitQuery = 0) -> Response:
+    """Create a room; with ``?wait=`` answer once it finished or the wait ran out."""
     s = cluster.settings
+    if wait > s.max_wait_s:
+        raise HTTPException(422, f"wait above {s.max_wait_s}s")
     tokens = body.tokens()
     if len(tokens) > s.max_prompt_tokens:
         raise HTTPException(422, f"prompt of {len(tokens)} tokens exceeds the cap of {s.max_prompt_tokens}")
@@ -84,7 +104,8 @@ async def create_room(body: RoomRequest, cluster: ClusterDep) -> dict[str, Any]:
         record = cluster.place(tokens, body.max_new_tokens)
     except NoLiveNode as exc:
         raise HTTPException(503, str(exc)) from exc
-    return record.view()
+    await wait_finished(cluster, record, wait)
+    return room_response(record, 201)
 
 
 def _record(cluster: Cluster, room: int) -> RoomRecord:
@@ -94,19 +115,12 @@ def _record(cluster: Cluster, room: int) -> RoomRecord:
     return record
 
 
-@rooms.get("/rooms/{room}")
-async def get_room(
-    room: int,
-    cluster: ClusterDep,
-    wait: Annotated[float, Query(ge=0, description="seconds to wait for the room to finish")] = 0,
-) -> dict[str, Any]:
+@rooms.get("/rooms/{room}", response_class=Response)
+async def get_room(room: int, cluster: ClusterDep, wait: WaitQuery = 0) -> Response:
+    """The room; with ``?wait=`` answer once it finished or the wait ran out."""
     record = _record(cluster, room)
-    if wait > cluster.settings.max_wait_s:
-        raise HTTPException(422, f"wait above {cluster.settings.max_wait_s}s")
-    if wait and not record.finished.is_set():
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(record.finished.wait(), wait)
-    return record.view()
+    await wait_finished(cluster, record, wait)
+    return room_response(record)
 
 
 @rooms.get("/rooms")

@@ -146,22 +146,24 @@ class Cluster:
         if record.state is RoomState.FAILED:
             self.metrics.failures.labels(record.reason or "unknown").inc()
 
-    def on_report(self, report: protocol.RoomReport) -> None:
-        record = self.book.rooms.get(report.room)
-        if record is None or report.node_id not in (record.prefill.id, record.decode.id):
-            self.metrics.rejected.labels("unknown_room").inc()
-            log.warning(
-                "room=%d report from %s for a room it does not hold",
-                report.room,
-                report.node_id,
-                extra={"room": report.room},
-            )
-            return
-        was_terminal = record.state.terminal
-        for node in self.book.apply(record, report):
-            self._abort_on(node, record, record.reason or "")
-        if record.state.terminal and not was_terminal:
-            self._count_end(record)
+    def on_reports(self, msg: protocol.RoomReports) -> None:
+        for status in msg.reports:
+            record = self.book.rooms.get(status.room)
+            if record is None or msg.node_id not in (record.prefill.id, record.decode.id):
+                self.metrics.rejected.labels("unknown_room").inc()
+                log.warning(
+                    "room=%d report from %s for a room it does not hold",
+                    status.room,
+                    msg.node_id,
+                    extra={"room": status.room},
+                )
+                continue
+            was_terminal = record.state.terminal
+            role = "prefill" if msg.node_id == record.prefill.id else "decode"
+            for node in self.book.apply(record, role, status):
+                self._abort_on(node, record, record.reason or "")
+            if record.state.terminal and not was_terminal:
+                self._count_end(record)
 
     # -- loops -----------------------------------------------------------------------
 
@@ -170,14 +172,13 @@ class Cluster:
         ready.set()
         try:
             while True:
-                frames = await sock.recv_multipart(copy=False)
+                buffers = await sock.recv_multipart()
                 self.metrics.received.inc()
-                buffers = [f.buffer for f in frames]
                 try:
                     msg, _ = protocol.decode(buffers)
-                    if not isinstance(msg, protocol.RoomReport):
+                    if not isinstance(msg, protocol.RoomReports):
                         raise ProtocolError(f"the bootstrap does not take {type(msg).__name__}")
-                    self.on_report(msg)
+                    self.on_reports(msg)
                 except ProtocolError as exc:
                     self.metrics.rejected.labels(exc.kind).inc()
                     log.warning("room=%s dropped report (%s): %s", protocol.peek_room(buffers), exc.kind, exc)

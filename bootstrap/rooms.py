@@ -82,6 +82,8 @@ class RoomBook:
 
     def _trim(self) -> None:
         excess = len(self.rooms) - self.history
+        if excess <= 0:
+            return
         for room_id in list(self.rooms):
             if excess <= 0:
                 break
@@ -105,11 +107,11 @@ class RoomBook:
         record.decode.rooms.discard(record.id)
         record.finished.set()
 
-    def apply(self, record: RoomRecord, report: protocol.RoomReport) -> list[Node]:
+    def apply(self, record: RoomRecord, role: str, report: protocol.RoomStatus) -> list[Node]:
         """Fold a node's report into the room; returns nodes that must be told to abort."""
         state = RoomState(report.state)
-        role = "prefill" if report.node_id == record.prefill.id else "decode"
-        record.node_states[role] = {"state": state.name, "reason": report.reason, "ts": report.ts}
+        ts = report.timestamps.get(state.name)
+        record.node_states[role] = {"state": state.name, "reason": report.reason, "ts": ts}
         record.timings.update(report.timings)
         if state is RoomState.FAILED:
             if self.fail(record, report.reason or f"{role}_failed"):
@@ -117,7 +119,7 @@ class RoomBook:
             return []
         if role == "decode":
             for step in forward_path(record.state, state):
-                record.move(step, ts=report.ts)
+                record.move(step, ts=report.timestamps.get(step.name))
         if role == "decode" and report.output_ids is not None and record.state is RoomState.SUCCESS:
             record.output_ids = report.output_ids
             if report.reason:

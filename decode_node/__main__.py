@@ -1,6 +1,6 @@
 """python -m decode_node [--help]"""
 
-import asyncio
+import uvloop
 
 from decode_node.service import DecodeService
 from decode_node.settings import DecodeSettings
@@ -12,7 +12,7 @@ def main() -> None:
     settings = DecodeSettings(_cli_parse_args=True)  # type: ignore[call-arg]
     configure_logging(settings.log_level, settings.log_format, "decode")
     configure_determinism()
-    asyncio.run(DecodeService(settings).run())
+    uvloop.run(DecodeService(settings).run())
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import logging
 import time
 
 from decode_node.settings import DecodeSettings
-from shared import protocol
+from shared import protocol, synthetic_kv
 from shared.aux_buffers import AUX_RECORD, AuxBuffers
 from shared.errors import AuxValidationError, PoolExhausted, RejectedMessage
 from shared.model import pages_needed
@@ -43,6 +43,7 @@ class DecodeJob(Room):
         self.aux_missing_since: float | None = None
         self.leased: set[int] = set()  # prefill ranks that may still write into our pages
         self.lease_deadline = 0.0
+        self.requested_at = 0.0
         self.decoding = False
 
 
@@ -80,9 +81,7 @@ class DecodeService(NodeService):
         elif isinstance(msg, protocol.AbortRoom):
             self._on_abort(msg)
         else:
-            raise RejectedMessage(
-                f"a decode node does not take {type(msg).__name__}", room=msg.room, kind="unexpected"
-            )
+            raise RejectedMessage(f"a decode node does not take {type(msg).__name__}", kind="unexpected")
 
     # -- messages -----------------------------------------------------------------
 
@@ -134,6 +133,7 @@ class DecodeService(NodeService):
             if not self.send(peer.zmq_endpoint, protocol.encode(request)):
                 self._fail(job, FailureReason.PEER_LOST)
                 return
+            job.requested_at = time.perf_counter()
             job.unaccepted.add(peer.rank)
             job.pending.add(peer.rank)
             job.leased.add(peer.rank)
@@ -180,7 +180,10 @@ class DecodeService(NodeService):
         job.advance_to(RoomState.TRANSFERRING)
         if job.pending:
             return
-        self.metrics.aux_latency.observe(max(0.0, time.time() - msg.completed_at))
+        aux_latency = max(0.0, time.time() - msg.completed_at)
+        job.timings["request_to_success_s"] = time.perf_counter() - job.requested_at
+        job.timings["aux_latency_s"] = aux_latency
+        self.metrics.aux_latency.observe(aux_latency)
         job.advance(RoomState.SUCCESS)
         self.aux.free(job.aux_slot)
         job.aux_slot = None
@@ -232,9 +235,17 @@ class DecodeService(NodeService):
     async def _decode(self, job: DecodeJob, first_token: int) -> None:
         started = time.perf_counter()
         try:
-            job.output_ids = await asyncio.to_thread(
-                self.model.decode, self.pool, job.pages, job.prompt_len, first_token, job.max_new_tokens
-            )
+            if self.settings.kv_mode == "synthetic":
+                kv_pages = job.pages[: self.layout.pages_for(job.prompt_len)]
+                verified = synthetic_kv.verify(self.pool, kv_pages, job.id)  # two tensor reads
+                job.timings["kv_verified"] = float(verified)
+                if not verified:
+                    log.error("room=%d synthetic KV did not land intact", job.id, extra={"room": job.id})
+                job.output_ids = []
+            else:
+                job.output_ids = await asyncio.to_thread(
+                    self.model.decode, self.pool, job.pages, job.prompt_len, first_token, job.max_new_tokens
+                )
             job.timings["decode_s"] = time.perf_counter() - started
         except Exception:
             log.exception("room=%d decode failed", job.id, extra={"room": job.id})

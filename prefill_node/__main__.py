@@ -1,6 +1,6 @@
 """python -m prefill_node [--help]"""
 
-import asyncio
+import uvloop
 
 from prefill_node.service import PrefillService
 from prefill_node.settings import PrefillSettings
@@ -12,7 +12,7 @@ def main() -> None:
     settings = PrefillSettings(_cli_parse_args=True)  # type: ignore[call-arg]
     configure_logging(settings.log_level, settings.log_format, "prefill")
     configure_determinism()
-    asyncio.run(PrefillService(settings).run())
+    uvloop.run(PrefillService(settings).run())
 
 
 if __name__ == "__main__":

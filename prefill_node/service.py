@@ -12,9 +12,10 @@ import logging
 import time
 
 from prefill_node.settings import PrefillSettings
-from shared import protocol
+from prefill_node.transfer_worker import TransferOutcome, TransferTask, TransferWorker
+from shared import protocol, synthetic_kv
 from shared.aux_buffers import Aux
-from shared.errors import PoolExhausted, RejectedMessage, TransferError
+from shared.errors import PoolExhausted, RejectedMessage
 from shared.node import NodeService
 from shared.room import Room
 from shared.states import FailureReason, RoomState
@@ -38,11 +39,19 @@ class PrefillJob(Room):
 class PrefillService(NodeService):
     role = "prefill"
     settings: PrefillSettings
+    # The room's visible progress is the decode's; the prefill reports how it ended.
+    reported_states = frozenset({RoomState.SUCCESS, RoomState.FAILED})
 
     def __init__(self, settings: PrefillSettings, engine: TransferEngine | None = None):
         super().__init__(settings, engine)
         # Transfer requests whose room has not reached us yet: room -> (request, deadline).
         self.early: dict[int, tuple[protocol.TransferRequest, float]] = {}
+        self.worker = TransferWorker(
+            self.engine, lambda outcome: self.loop.call_soon_threadsafe(self._transfer_finished, outcome)
+        )
+
+    def shutdown(self) -> None:
+        self.worker.close()
 
     def handle(self, msg: protocol.Message, aux: memoryview | None) -> None:
         if isinstance(msg, protocol.PrefillRoom):
@@ -52,9 +61,7 @@ class PrefillService(NodeService):
         elif isinstance(msg, protocol.AbortRoom):
             self._on_abort(msg)
         else:
-            raise RejectedMessage(
-                f"a prefill node does not take {type(msg).__name__}", room=msg.room, kind="unexpected"
-            )
+            raise RejectedMessage(f"a prefill node does not take {type(msg).__name__}", kind="unexpected")
 
     # -- messages -----------------------------------------------------------------
 
@@ -130,17 +137,23 @@ class PrefillService(NodeService):
         if job.state.terminal:
             # Already done writing: say so, so the decode can stop fencing its pages.
             self._release(job)
-        else:
-            self._fail(job, msg.reason)
+            return
+        if job.state is RoomState.TRANSFERRING:
+            self.worker.cancel(job.id)
+        self._fail(job, msg.reason)
 
     # -- work -----------------------------------------------------------------------
 
     async def _compute(self, job: PrefillJob) -> None:
         started = time.perf_counter()
         try:
-            job.first_token, job.logprob = await asyncio.to_thread(
-                self.model.prefill, self.pool, job.pages, job.input_ids
-            )
+            if self.settings.kv_mode == "synthetic":  # two tensor writes: not worth a thread hop
+                synthetic_kv.fill(self.pool, job.pages, job.id)
+                job.first_token, job.logprob = 0, 0.0
+            else:
+                job.first_token, job.logprob = await asyncio.to_thread(
+                    self.model.prefill, self.pool, job.pages, job.input_ids
+                )
         except Exception:
             log.exception("room=%d prefill failed", job.id, extra={"room": job.id})
             job.busy = False
@@ -166,43 +179,44 @@ class PrefillService(NodeService):
                 protocol.TransferStarted(room=job.id, rank=req.decode_rank, prefill_rank=self.rank)
             ),
         )
-        self.spawn(self._transfer(job, req))
-
-    async def _transfer(self, job: PrefillJob, req: protocol.TransferRequest) -> None:
         writes = coalesce(
             self.pool.base_ptr, job.pages, req.kv_base_ptr, req.page_indices, self.layout.page_bytes
         )
-        started = time.perf_counter()
-        try:
-            written = await asyncio.to_thread(self.engine.write, req.session_id, writes)
-        except TransferError as exc:
-            log.warning("room=%d KV write failed: %s", job.id, exc, extra={"room": job.id})
-            job.busy = False
-            self._fail(job, FailureReason.TRANSFER_FAILED)
-            return
-        completed_at = time.time()
-        job.busy = False
-        elapsed = time.perf_counter() - started
-        job.timings["transfer_s"] = elapsed
-        self.metrics.transfer_bytes.inc(written)
-        self.metrics.transfer_seconds.observe(elapsed)
-        if job.state.terminal:  # aborted while the engine wrote
-            self._release(job)
-            return
-        # Done and aux in one message, queued only now that every write completed.
+        job.timings["engine_writes"] = len(writes)
+        # Done and aux travel in one message, which the worker sends once every write completed.
         done = protocol.KvDone(
             room=job.id,
             rank=req.decode_rank,
             prefill_rank=self.rank,
             aux_slot=req.aux_slot,
             pages_written=len(req.page_indices),
-            bytes_written=written,
-            completed_at=completed_at,
+            bytes_written=0,
+            completed_at=0.0,
         )
         aux = Aux(job.id, job.first_token, len(job.input_ids), job.logprob).pack()
-        self.send(req.aux_endpoint, protocol.encode(done, aux))
-        job.advance(RoomState.SUCCESS)
-        self._free_pages(job)
+        self.worker.submit(TransferTask(job.id, req.session_id, writes, req.aux_endpoint, done, aux))
+
+    def _transfer_finished(self, outcome: TransferOutcome) -> None:
+        """On the event loop, after the worker wrote a room's KV (and sent its done+aux)."""
+        room = outcome.task.room
+        self.worker.forget(room)
+        job = self.rooms.find(room)
+        assert isinstance(job, PrefillJob)
+        job.busy = False
+        if outcome.error is not None:
+            log.warning("room=%d KV write failed: %s", room, outcome.error, extra={"room": room})
+            job.fail(FailureReason.TRANSFER_FAILED)
+            self._release(job)
+            return
+        job.timings["transfer_s"] = outcome.seconds
+        self.metrics.transfer_bytes.inc(outcome.written)
+        self.metrics.transfer_seconds.observe(outcome.seconds)
+        if outcome.sent and not job.state.terminal:
+            job.advance(RoomState.SUCCESS)
+            self._free_pages(job)
+            return
+        job.fail(FailureReason.PEER_LOST)  # done+aux could not be queued; no-op if aborted meanwhile
+        self._release(job)
 
     def _fail(self, job: PrefillJob, reason: str) -> None:
         if job.fail(reason):

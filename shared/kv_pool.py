@@ -2,6 +2,7 @@
 
 import collections
 import logging
+import random
 
 import torch
 
@@ -19,13 +20,17 @@ class KVPool:
     transfers.
     """
 
-    def __init__(self, layout: KVLayout, num_pages: int, device: str = "cpu"):
+    def __init__(self, layout: KVLayout, num_pages: int, device: str = "cpu", scatter: bool = False):
         if num_pages < 1:
             raise ValueError("a KV pool needs at least one page")
         self.layout = layout
         self.num_pages = num_pages
         self.data = torch.zeros((num_pages, *layout.page_shape), dtype=layout.torch_dtype, device=device)
-        self._free: collections.deque[int] = collections.deque(range(num_pages))
+        order = list(range(num_pages))
+        if scatter:  # for benchmarks: every allocation breaks into short runs
+            random.Random(num_pages).shuffle(order)
+        self._free: collections.deque[int] = collections.deque(order)
+        self._scatter = scatter
         self._used: set[int] = set()
 
     @property
@@ -57,4 +62,4 @@ class KVPool:
             if page not in self._used:
                 raise ValueError(f"page {page} freed but not in use")
         self._used.difference_update(pages)
-        self._free.extend(sorted(pages))
+        self._free.extend(pages if self._scatter else sorted(pages))

@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import logging
 import signal
-import time
 from collections.abc import Coroutine, Iterator
 from typing import Any
 
@@ -33,6 +32,9 @@ from shared.zmq_io import PushSockets, bind_pull
 
 log = logging.getLogger(__name__)
 
+# How long room state changes are gathered before they go to the bootstrap in one message.
+REPORT_DELAY_S = 0.002
+
 
 class _EmbeddedServer(uvicorn.Server):
     """Leaves signal handling to the node, which owns the event loop."""
@@ -51,19 +53,20 @@ class NodeService(abc.ABC):
         self.metrics = ServiceMetrics(self.role)
         self.rooms = RoomTable()
         self.model = ReferenceModel(ModelConfig(), settings.device)
-        self.layout = self.model.config.kv_layout(settings.page_size)
+        self.layout = settings.kv_layout(self.model.config)
         self.engine = engine or MooncakeEngine(
             settings.engine_host or settings.public_host,
             settings.transport,
             settings.rdma_devices,
             advertise_host=settings.public_host,
         )
-        self.pool = KVPool(self.layout, settings.num_pages, settings.device)
+        self.pool = KVPool(self.layout, settings.num_pages, settings.device, scatter=settings.scatter_pages)
         self.engine.register(self.pool.base_ptr, self.pool.nbytes)
         self.rank = 0  # one rank per node for now; the protocol carries ranks throughout
         self.zmq = zmq.asyncio.Context()
         self._push = PushSockets(self.zmq)
         self._report_endpoint: str | None = None
+        self._pending_reports: dict[int, Room] = {}
         self.token: str | None = None  # from the bootstrap, at registration
         self._tasks: set[asyncio.Task[Any]] = set()
         self._stop = asyncio.Event()
@@ -107,28 +110,47 @@ class NodeService(abc.ABC):
 
     # -- room bookkeeping -------------------------------------------------------
 
+    # States this node tells the bootstrap about; the bootstrap starts every room BOOTSTRAPPING.
+    reported_states = frozenset(RoomState) - {RoomState.BOOTSTRAPPING}
+
     def room_changed(self, room: Room) -> None:
         self.metrics.transitions.labels(room.state.name).inc()
         if room.state is RoomState.FAILED:
             self.metrics.failures.labels(room.reason or "unknown").inc()
         if room.state.terminal:
             self.rooms.retire(room)
-        self.report(room)
+        if room.state in self.reported_states:
+            self.report(room)
 
     def report(self, room: Room) -> None:
-        """Tell the bootstrap where the room stands on this node."""
+        """Tell the bootstrap where the room stands on this node, within REPORT_DELAY_S.
+
+        Changes are gathered for a moment and sent as one message, the latest
+        state of each room with the time it entered every state: under load
+        the bootstrap handles a few messages instead of one per transition.
+        """
+        if not self._pending_reports:
+            self.loop.call_later(REPORT_DELAY_S, self._flush_reports)
+        self._pending_reports[room.id] = room
+
+    def _flush_reports(self) -> None:
+        rooms = list(self._pending_reports.values())
+        self._pending_reports.clear()
         if self._report_endpoint is None:
             return
-        msg = protocol.RoomReport(
-            room=room.id,
-            node_id=self.node_id,
-            state=int(room.state),
-            reason=room.reason,
-            ts=time.time(),
-            output_ids=room.output_ids,
-            timings=room.timings,
-        )
-        self.send(self._report_endpoint, protocol.encode(msg))
+        for start in range(0, len(rooms), protocol.MAX_REPORTS):
+            statuses = [
+                protocol.RoomStatus(
+                    room=room.id,
+                    state=int(room.state),
+                    reason=room.reason,
+                    timestamps=room.timestamps,
+                    output_ids=room.output_ids,
+                    timings=room.timings,
+                )
+                for room in rooms[start : start + protocol.MAX_REPORTS]
+            ]
+            self.send(self._report_endpoint, protocol.encode(protocol.RoomReports(self.node_id, statuses)))
 
     # -- sockets ----------------------------------------------------------------
 
@@ -149,9 +171,8 @@ class NodeService(abc.ABC):
 
     async def _receive(self, sock: zmq.asyncio.Socket) -> None:
         while True:
-            frames = await sock.recv_multipart(copy=False)
+            buffers = await sock.recv_multipart()
             self.metrics.received.inc()
-            buffers = [frame.buffer for frame in frames]
             try:
                 msg, aux = protocol.decode(buffers)
                 self.handle(msg, aux)
@@ -248,8 +269,11 @@ class NodeService(abc.ABC):
     def stop(self) -> None:
         self._stop.set()
 
+    def shutdown(self) -> None:
+        """Subclass hook: release what the subclass started, before the engine closes."""
+
     async def run(self) -> None:
-        loop = asyncio.get_running_loop()
+        self.loop = loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.stop)
         s = self.settings
@@ -285,5 +309,6 @@ class NodeService(abc.ABC):
             pull.close(0)
             self._push.close()
             self.zmq.term()
+            self.shutdown()
             self.engine.close()
             log.info("%s node %s stopped", self.role, self.node_id)

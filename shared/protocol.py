@@ -12,7 +12,7 @@ the aux, which is the one state the aux timeout exists for.
 
 Changelog
     1  first version: PREFILL_ROOM, DECODE_ROOM, ABORT_ROOM, TRANSFER_REQUEST,
-       TRANSFER_ACCEPTED, TRANSFER_STARTED, DONE_AUX, ROOM_RELEASED, ROOM_REPORT.
+       TRANSFER_ACCEPTED, TRANSFER_STARTED, DONE_AUX, ROOM_RELEASED, ROOM_REPORTS.
 """
 
 import enum
@@ -38,6 +38,7 @@ MAX_BODY_BYTES = 1 << 20
 MAX_RANKS = 64
 MAX_PAGES_PER_ROOM = 1 << 16
 MAX_TOKENS = 1 << 17
+MAX_REPORTS = 1024
 
 RoomId = Annotated[int, msgspec.Meta(gt=0, le=(1 << 63) - 1)]
 Rank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_RANKS)]
@@ -58,7 +59,7 @@ class Kind(enum.IntEnum):
     TRANSFER_STARTED = 5
     DONE_AUX = 6
     ROOM_RELEASED = 7
-    ROOM_REPORT = 8
+    ROOM_REPORTS = 8
     TRANSFER_ACCEPTED = 9
 
 
@@ -158,16 +159,22 @@ class RoomReleased(msgspec.Struct, frozen=True):
     reason: Text
 
 
-class RoomReport(msgspec.Struct, frozen=True):
-    """Node -> bootstrap: the room's state on that node changed."""
+class RoomStatus(msgspec.Struct, frozen=True):
+    """Where one room stands on a node, with the wall-clock time it entered each state."""
 
     room: RoomId
-    node_id: Text
     state: Annotated[int, msgspec.Meta(ge=0, le=4)]
     reason: Text | None = None
-    ts: float = 0.0
-    output_ids: list[Token] | None = None
-    timings: dict[str, float] = {}
+    timestamps: Annotated[dict[str, float], msgspec.Meta(max_length=8)] = {}
+    output_ids: Annotated[list[Token], msgspec.Meta(max_length=MAX_TOKENS)] | None = None
+    timings: Annotated[dict[str, float], msgspec.Meta(max_length=16)] = {}
+
+
+class RoomReports(msgspec.Struct, frozen=True):
+    """Node -> bootstrap: the rooms whose state changed since the last report."""
+
+    node_id: Text
+    reports: Annotated[list[RoomStatus], msgspec.Meta(min_length=1, max_length=MAX_REPORTS)]
 
 
 Message = (
@@ -179,7 +186,7 @@ Message = (
     | TransferStarted
     | KvDone
     | RoomReleased
-    | RoomReport
+    | RoomReports
 )
 
 KIND_OF: dict[type, Kind] = {
@@ -191,7 +198,7 @@ KIND_OF: dict[type, Kind] = {
     TransferStarted: Kind.TRANSFER_STARTED,
     KvDone: Kind.DONE_AUX,
     RoomReleased: Kind.ROOM_RELEASED,
-    RoomReport: Kind.ROOM_REPORT,
+    RoomReports: Kind.ROOM_REPORTS,
 }
 _DECODERS: dict[Kind, msgspec.msgpack.Decoder[Any]] = {
     kind: msgspec.msgpack.Decoder(cls) for cls, kind in KIND_OF.items()

@@ -12,6 +12,8 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from shared.kv_layout import KVLayout
+from shared.model import ModelConfig
 from shared.transfer import Transport
 
 LogFormat = Literal["plain", "json"]
@@ -63,8 +65,34 @@ class NodeSettings(ServiceSettings):
     device: Literal["cpu", "cuda"] = Field("cpu", description="where the KV pool lives")
     num_pages: int = Field(4096, ge=1, description="KV pages in this node's pool")
     page_size: int = Field(16, ge=1, le=1024, description="tokens per KV page")
+    kv_mode: Literal["model", "synthetic"] = Field(
+        "model", description="model: run the reference model; synthetic: stamped pages, for benchmarks"
+    )
+    num_layers: int | None = Field(None, ge=1, le=1024, description="KV layers (synthetic mode only)")
+    num_kv_heads: int | None = Field(None, ge=1, le=1024, description="KV heads (synthetic mode only)")
+    head_dim: int | None = Field(None, ge=1, le=4096, description="head size (synthetic mode only)")
+    kv_dtype: Literal["float32", "float16", "bfloat16"] | None = Field(
+        None, description="KV element type (synthetic mode only)"
+    )
+    scatter_pages: bool = Field(False, description="hand out pages in shuffled order (coalescing benchmarks)")
     heartbeat_interval_s: float = Field(1.0, gt=0, description="seconds between heartbeats")
     register_retry_s: float = Field(0.5, gt=0, description="seconds between registration attempts")
+
+    @model_validator(mode="after")
+    def _layout_only_for_synthetic_kv(self) -> "NodeSettings":
+        given = [self.num_layers, self.num_kv_heads, self.head_dim, self.kv_dtype]
+        if self.kv_mode == "model" and any(v is not None for v in given):
+            raise ValueError("the KV layout follows the reference model; set it only with kv_mode=synthetic")
+        return self
+
+    def kv_layout(self, model: ModelConfig) -> KVLayout:
+        return KVLayout(
+            self.num_layers or model.num_layers,
+            self.num_kv_heads or model.num_heads,
+            self.head_dim or model.head_dim,
+            self.page_size,
+            self.kv_dtype or "float32",
+        )
 
     @model_validator(mode="after")
     def _cuda_needs_a_gpu(self) -> "NodeSettings":

@@ -1,4 +1,8 @@
-"""Outbound ZMQ: one PUSH socket per peer endpoint, sends that never block the loop."""
+"""Outbound ZMQ: one PUSH socket per peer endpoint, sends that never block.
+
+Works with an asyncio context on an event loop or a plain context in a thread;
+a PushSockets object belongs to one thread.
+"""
 
 import collections
 import logging
@@ -16,12 +20,12 @@ MAX_PEER_SOCKETS = 256
 
 
 class PushSockets:
-    def __init__(self, context: zmq.asyncio.Context, max_sockets: int = MAX_PEER_SOCKETS):
+    def __init__(self, context: zmq.Context, max_sockets: int = MAX_PEER_SOCKETS):
         self._context = context
-        self._sockets: collections.OrderedDict[str, zmq.asyncio.Socket] = collections.OrderedDict()
+        self._sockets: collections.OrderedDict[str, zmq.Socket] = collections.OrderedDict()
         self._max = max_sockets
 
-    def _socket(self, endpoint: str) -> zmq.asyncio.Socket:
+    def _socket(self, endpoint: str) -> zmq.Socket:
         sock = self._sockets.get(endpoint)
         if sock is not None:
             self._sockets.move_to_end(endpoint)
@@ -43,7 +47,9 @@ class PushSockets:
     def send(self, endpoint: str, frames: list[bytes]) -> bool:
         """Queue a message to ``endpoint``; False if it could not be queued."""
         try:
-            self._socket(endpoint).send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            # Copying sends: zero-copy pays a tracking thread per message, far more than
+            # copying the few hundred bytes a control message has.
+            self._socket(endpoint).send_multipart(frames, flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             log.warning("could not queue a message to %s: %s", endpoint, exc)
             return False

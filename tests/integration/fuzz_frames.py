@@ -54,7 +54,7 @@ def random_message(rng: random.Random) -> Frames:
         lambda: protocol.TransferAccepted(room, rank, _int(rng)),
         lambda: protocol.TransferStarted(room, rank, _int(rng)),
         lambda: protocol.RoomReleased(room, rank, _int(rng), rng.choice(["", "aborted"])),
-        lambda: protocol.RoomReport(room, "node", _int(rng), None, 0.0, None, {}),
+        lambda: protocol.RoomReports("node", [protocol.RoomStatus(room, _int(rng), None, {}, None, {})]),
     ]
     if rng.random() < 0.2:
         done = protocol.KvDone(room, rank, _int(rng), _int(rng), _int(rng), _int(rng), 0.0)

@@ -36,8 +36,9 @@ MESSAGES = [
     protocol.TransferAccepted(room=5, rank=0, prefill_rank=0),
     protocol.TransferStarted(room=5, rank=0, prefill_rank=0),
     protocol.RoomReleased(room=5, rank=0, prefill_rank=0, reason="aborted"),
-    protocol.RoomReport(
-        room=5, node_id="n", state=4, reason=None, ts=1.5, output_ids=[1], timings={"decode_s": 0.1}
+    protocol.RoomReports(
+        node_id="n",
+        reports=[protocol.RoomStatus(room=5, state=4, timestamps={"SUCCESS": 1.5}, output_ids=[1])],
     ),
 ]
 DONE = protocol.KvDone(

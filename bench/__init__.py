@@ -1,0 +1,1 @@
+"""kvroom's benchmark: python -m bench [--quick]."""

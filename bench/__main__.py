@@ -1,0 +1,277 @@
+"""Benchmark kvroom against the raw Mooncake engine on the same bytes.
+
+    python -m bench [--quick] [--out bench/results]
+
+Runs real services on 127.0.0.1 over TCP in synthetic-KV mode (pages stamped,
+not computed; checked on the decode side after SUCCESS, outside the timing).
+Every kvroom measurement is interleaved with its raw-engine twin, A B A B, and
+the median of the runs is reported. Nothing here asserts a timing.
+"""
+
+import argparse
+import asyncio
+import json
+import platform
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.http_load import Connection
+from bench.raw import RawPair
+from bench.report import write_report
+from shared.kv_layout import KVLayout
+from shared.local_stack import LocalStack, Service
+
+MIB = 1 << 20
+# A KV layout of an 8B-class model: 32 layers, 8 KV heads of 128, bfloat16 (128 KiB a token).
+BIG = {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128, "kv_dtype": "bfloat16"}
+# The reference model's own layout (1 KiB a token), for the control plane: 64 KiB = 64 tokens.
+SMALL: dict[str, Any] = {}
+
+
+def layout_of(shape: dict[str, Any], page_size: int) -> KVLayout:
+    return KVLayout(
+        shape.get("num_layers", 2),
+        shape.get("num_kv_heads", 4),
+        shape.get("head_dim", 16),
+        page_size,
+        shape.get("kv_dtype", "float32"),
+    )
+
+
+def node_args(shape: dict[str, Any], page_size: int, pool_bytes: int, *extra: str) -> list[str]:
+    layout = layout_of(shape, page_size)
+    args = [
+        "--kv-mode",
+        "synthetic",
+        "--page-size",
+        str(page_size),
+        "--log-level",
+        "WARNING",
+        "--num-pages",
+        str(max(16, -(-pool_bytes // layout.page_bytes))),
+    ]
+    for key, value in shape.items():
+        args += [f"--{key.replace('_', '-')}", str(value)]
+    return args + list(extra)
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+class Bench:
+    def __init__(self, quick: bool, workdir: Path):
+        self.quick = quick
+        self.workdir = workdir
+        self.runs = 1 if quick else 5
+        self.aux_latencies: list[float] = []
+
+    def stack(self, name: str, prefill: list[str], decode: list[str]) -> tuple[LocalStack, Service, Service]:
+        stack = LocalStack(
+            self.workdir / name, bootstrap_args=["--log-level", "WARNING", "--max-prompt-tokens", "131072"]
+        )
+        p, d = stack.start(prefill, decode)
+        return stack, p, d
+
+    def room(self, client: httpx.Client, tokens: int) -> dict[str, Any]:
+        created = client.post("/rooms", json={"input_ids": [65] * tokens, "max_new_tokens": 1})
+        created.raise_for_status()
+        room = created.json()["room"]
+        while True:
+            body: dict[str, Any] = client.get(f"/rooms/{room}", params={"wait": 30}).json()
+            if body["finished"]:
+                break
+        if body["state"] != "SUCCESS" or body["timings"].get("kv_verified") != 1.0:
+            raise RuntimeError(f"room {room} did not deliver intact KV: {body}")
+        self.aux_latencies.append(body["timings"]["aux_latency_s"])
+        return body
+
+    def transfer(
+        self,
+        sizes_mib: list[int],
+        page_size: int,
+        raw: RawPair,
+        scatter: bool = False,
+    ) -> list[dict[str, Any]]:
+        """kvroom (decode request to SUCCESS) against the raw engine, same bytes, same write count."""
+        layout = layout_of(BIG, page_size)
+        pool = max(sizes_mib) * MIB + 8 * layout.page_bytes
+        decode_extra = ["--scatter-pages"] if scatter else []
+        stack, _, _ = self.stack(
+            f"transfer-p{page_size}{'-scatter' if scatter else ''}",
+            node_args(BIG, page_size, pool),
+            node_args(BIG, page_size, pool, *decode_extra),
+        )
+        rows = []
+        try:
+            with stack.client() as client:
+                self.room(client, layout.page_size)  # warm the connection between the engines
+                for size in sizes_mib:
+                    tokens = size * MIB // (layout.page_bytes // layout.page_size)
+                    ours, theirs, writes = [], [], []
+                    for _ in range(self.runs):
+                        body = self.room(client, tokens)
+                        ours.append(body["timings"]["request_to_success_s"])
+                        writes.append(int(body["timings"]["engine_writes"]))
+                        theirs.append(raw.write(size * MIB, writes[-1]))
+                    kv, rw = statistics.median(ours), statistics.median(theirs)
+                    rows.append(
+                        {
+                            "kv_mib": size,
+                            "page_size": page_size,
+                            "page_kib": layout.page_bytes // 1024,
+                            "scattered": scatter,
+                            "engine_writes": statistics.median(writes),
+                            "kvroom_s": kv,
+                            "raw_s": rw,
+                            "kvroom_gbps": size * MIB / kv / 1e9,
+                            "raw_gbps": size * MIB / rw / 1e9,
+                            "ratio": rw / kv,
+                        }
+                    )
+        finally:
+            stack.stop()
+        return rows
+
+    def control_plane(self, levels: list[int], rooms_per_level: int) -> tuple[list[dict[str, Any]], dict]:
+        """Rooms per second through POST /rooms with 64 KiB of KV, and resident memory."""
+        stack, p, d = self.stack("control", node_args(SMALL, 16, 64 * MIB), node_args(SMALL, 16, 64 * MIB))
+        pids = {"bootstrap": stack.bootstrap, "prefill": p, "decode": d}
+        memory: dict[str, dict[str, float]] = {
+            n: {"idle_mib": rss_mib(s.proc.pid), "peak_mib": 0.0} for n, s in pids.items() if s.proc
+        }
+        rows = []
+        try:
+            for in_flight in levels:
+                sampling = threading.Event()
+
+                def sample(level: int = in_flight, stop: threading.Event = sampling) -> None:
+                    while not stop.is_set():
+                        for n, s in pids.items():
+                            if s.proc and level == max(levels):
+                                memory[n]["peak_mib"] = max(memory[n]["peak_mib"], rss_mib(s.proc.pid))
+                        time.sleep(0.05)
+
+                sampler = threading.Thread(target=sample, daemon=True)
+                sampler.start()
+                count = rooms_per_level if in_flight > 1 else max(8, rooms_per_level // 8)
+                seconds, latencies = asyncio.run(self._drive(stack.bootstrap.url, in_flight, count))
+                sampling.set()
+                sampler.join()
+                rows.append(
+                    {
+                        "in_flight": in_flight,
+                        "rooms": count,
+                        "rooms_per_s": count / seconds,
+                        "p50_ms": percentile(latencies, 0.5) * 1000,
+                        "p99_ms": percentile(latencies, 0.99) * 1000,
+                    }
+                )
+        finally:
+            stack.stop()
+        return rows, memory
+
+    async def _drive(self, url: str, in_flight: int, count: int) -> tuple[float, list[float]]:
+        """``count`` rooms through POST /rooms, ``in_flight`` at a time; wall seconds and latencies."""
+        latencies: list[float] = []
+        todo = iter(range(count))
+
+        async def worker() -> None:
+            conn = await Connection.open(url)
+            try:
+                for _ in todo:
+                    started = time.perf_counter()
+                    status, room = await conn.request(
+                        "POST", "/rooms", {"input_ids": [66] * 64, "max_new_tokens": 1}
+                    )
+                    if status != 201:
+                        raise RuntimeError(f"POST /rooms answered {status}: {room}")
+                    body = room
+                    while not body["finished"]:
+                        _, body = await conn.request("GET", f"/rooms/{room['room']}?wait=30")
+                    latencies.append(time.perf_counter() - started)
+                    if body["state"] != "SUCCESS":
+                        raise RuntimeError(f"room {room['room']} ended {body['state']}: {body['reason']}")
+                    self.aux_latencies.append(body["timings"]["aux_latency_s"])
+            finally:
+                await conn.close()
+
+        started = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(in_flight)))
+        return time.perf_counter() - started, latencies
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny sizes, one run: checks the benchmark works"
+    )
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = parser.parse_args(argv)
+    sizes = [1] if args.quick else [1, 4, 16, 64, 256]
+    page_sizes = [16] if args.quick else [1, 4, 16, 64]
+    started = time.time()
+    with tempfile.TemporaryDirectory(prefix="kvroom-bench-") as tmp:
+        bench = Bench(args.quick, Path(tmp))
+        raw = RawPair(max(sizes) * MIB)
+        try:
+            print("transfer efficiency", flush=True)
+            transfer = bench.transfer(sizes, 16, raw)
+            print("page-size sweep", flush=True)
+            sweep = [
+                row for ps in page_sizes for row in bench.transfer([16 if not args.quick else 1], ps, raw)
+            ]
+            print("scattered versus contiguous pages", flush=True)
+            scatter_size = [1 if args.quick else 16]
+            scatter = bench.transfer(scatter_size, 1, raw) + bench.transfer(
+                scatter_size, 1, raw, scatter=True
+            )
+        finally:
+            raw.close()
+        print("control plane", flush=True)
+        control, memory = bench.control_plane([1, 8] if args.quick else [1, 8, 64], 16 if args.quick else 512)
+    aux = bench.aux_latencies
+    results = {
+        "machine": {
+            "cpus": len(__import__("os").sched_getaffinity(0)),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "transport": "tcp (loopback)",
+        },
+        "quick": args.quick,
+        "runs": bench.runs,
+        "seconds": round(time.time() - started, 1),
+        "transfer": transfer,
+        "page_sweep": sweep,
+        "scatter": scatter,
+        "control_plane": control,
+        "aux_latency_ms": {
+            "p50": percentile(aux, 0.5) * 1000,
+            "p99": percentile(aux, 0.99) * 1000,
+            "samples": len(aux),
+        },
+        "memory": memory,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(json.dumps(results, indent=2))
+    write_report(results, args.out)
+    print((args.out / "results.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

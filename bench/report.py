@@ -1,0 +1,106 @@
+"""The benchmark's markdown table and plot."""
+
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+
+def _table(headers: list[str], rows: list[list[Any]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_report(results: dict[str, Any], out: Path) -> None:
+    m = results["machine"]
+    parts = [
+        f"Machine: {m['cpus']} CPUs, {m['platform']}, Python {m['python']}, {m['transport']}; "
+        f"median of {results['runs']} interleaved runs.\n"
+    ]
+    parts.append(
+        "**Transfer efficiency** (decode's transfer request to SUCCESS, against the raw engine "
+        "writing the same bytes in the same number of writes)\n"
+    )
+    parts.append(
+        _table(
+            ["KV per room", "page", "writes", "kvroom GB/s", "raw GB/s", "kvroom / raw"],
+            [
+                [
+                    f"{r['kv_mib']} MiB",
+                    f"{r['page_kib']} KiB",
+                    r["engine_writes"],
+                    f"{r['kvroom_gbps']:.2f}",
+                    f"{r['raw_gbps']:.2f}",
+                    f"{r['ratio']:.3f}",
+                ]
+                for r in results["transfer"] + results["page_sweep"]
+            ],
+        )
+    )
+    parts.append("\n**Scattered versus contiguous destination pages**\n")
+    parts.append(
+        _table(
+            ["KV per room", "page", "decode pages", "engine writes", "kvroom GB/s", "raw GB/s (same writes)"],
+            [
+                [
+                    f"{r['kv_mib']} MiB",
+                    f"{r['page_kib']} KiB",
+                    "scattered" if r["scattered"] else "contiguous",
+                    r["engine_writes"],
+                    f"{r['kvroom_gbps']:.2f}",
+                    f"{r['raw_gbps']:.2f}",
+                ]
+                for r in results["scatter"]
+            ],
+        )
+    )
+    aux = results["aux_latency_ms"]
+    parts.append(
+        f"\n**Aux latency** (prefill's KV-write completion to SUCCESS on decode, "
+        f"{aux['samples']} rooms): p50 {aux['p50']:.3f} ms, p99 {aux['p99']:.3f} ms\n"
+    )
+    parts.append("**Control plane** (POST /rooms to finished, 64 KiB of KV a room)\n")
+    parts.append(
+        _table(
+            ["in flight", "rooms", "rooms/s", "p50 ms", "p99 ms"],
+            [
+                [
+                    r["in_flight"],
+                    r["rooms"],
+                    f"{r['rooms_per_s']:.0f}",
+                    f"{r['p50_ms']:.1f}",
+                    f"{r['p99_ms']:.1f}",
+                ]
+                for r in results["control_plane"]
+            ],
+        )
+    )
+    parts.append("\n**Resident memory** (MiB)\n")
+    parts.append(
+        _table(
+            ["service", "idle", f"peak at {max(r['in_flight'] for r in results['control_plane'])} in flight"],
+            [[n, f"{v['idle_mib']:.0f}", f"{v['peak_mib']:.0f}"] for n, v in results["memory"].items()],
+        )
+    )
+    (out / "results.md").write_text("\n".join(parts) + "\n")
+
+    rows = results["transfer"]
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    sizes = [r["kv_mib"] for r in rows]
+    ax.plot(sizes, [r["kvroom_gbps"] for r in rows], "o-", label="kvroom (request to SUCCESS)")
+    ax.plot(sizes, [r["raw_gbps"] for r in rows], "s--", label="raw engine (batch_transfer_sync_write)")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes, [f"{s} MiB" for s in sizes])
+    ax.set_xlabel("KV per room")
+    ax.set_ylabel("GB/s")
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"KV transfer over {m['transport']}, {m['cpus']} CPUs")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "gbps.png")
+    plt.close(fig)
