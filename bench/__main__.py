@@ -77,8 +77,9 @@ class Bench:
     def __init__(self, quick: bool, workdir: Path):
         self.quick = quick
         self.workdir = workdir
-        self.runs = 1 if quick else 5
-        self.aux_latencies: list[float] = []
+        self.runs = 1 if quick else 7
+        # Aux latency samples by load: rooms one at a time, and at each in-flight level.
+        self.aux_latencies: dict[str, list[float]] = {}
 
     def stack(self, name: str, prefill: list[str], decode: list[str]) -> tuple[LocalStack, Service, Service]:
         stack = LocalStack(
@@ -97,7 +98,12 @@ class Bench:
                 break
         if body["state"] != "SUCCESS" or body["timings"].get("kv_verified") != 1.0:
             raise RuntimeError(f"room {room} did not deliver intact KV: {body}")
-        self.aux_latencies.append(body["timings"]["aux_latency_s"])
+        for _ in range(100):  # the prefill's own report (its write count) may trail the decode's
+            if "engine_writes" in body["timings"]:
+                break
+            time.sleep(0.01)
+            body = client.get(f"/rooms/{room}").json()
+        self.aux_latencies.setdefault("1", []).append(body["timings"]["aux_latency_s"])
         return body
 
     def transfer(
@@ -206,7 +212,7 @@ class Bench:
                     latencies.append(time.perf_counter() - started)
                     if body["state"] != "SUCCESS":
                         raise RuntimeError(f"room {room['room']} ended {body['state']}: {body['reason']}")
-                    self.aux_latencies.append(body["timings"]["aux_latency_s"])
+                    self.aux_latencies.setdefault(str(in_flight), []).append(body["timings"]["aux_latency_s"])
             finally:
                 await conn.close()
 
@@ -244,7 +250,6 @@ def main(argv: list[str] | None = None) -> int:
             raw.close()
         print("control plane", flush=True)
         control, memory = bench.control_plane([1, 8] if args.quick else [1, 8, 64], 16 if args.quick else 512)
-    aux = bench.aux_latencies
     results = {
         "machine": {
             "cpus": len(__import__("os").sched_getaffinity(0)),
@@ -259,11 +264,15 @@ def main(argv: list[str] | None = None) -> int:
         "page_sweep": sweep,
         "scatter": scatter,
         "control_plane": control,
-        "aux_latency_ms": {
-            "p50": percentile(aux, 0.5) * 1000,
-            "p99": percentile(aux, 0.99) * 1000,
-            "samples": len(aux),
-        },
+        "aux_latency_ms": [
+            {
+                "in_flight": int(level),
+                "samples": len(values),
+                "p50": percentile(values, 0.5) * 1000,
+                "p99": percentile(values, 0.99) * 1000,
+            }
+            for level, values in sorted(bench.aux_latencies.items(), key=lambda kv: int(kv[0]))
+        ],
         "memory": memory,
     }
     args.out.mkdir(parents=True, exist_ok=True)

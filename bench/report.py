@@ -58,11 +58,17 @@ def write_report(results: dict[str, Any], out: Path) -> None:
             ],
         )
     )
-    aux = results["aux_latency_ms"]
+    parts.append("\n**Aux latency** (prefill's KV-write completion to SUCCESS on decode)\n")
     parts.append(
-        f"\n**Aux latency** (prefill's KV-write completion to SUCCESS on decode, "
-        f"{aux['samples']} rooms): p50 {aux['p50']:.3f} ms, p99 {aux['p99']:.3f} ms\n"
+        _table(
+            ["rooms in flight", "rooms", "p50 ms", "p99 ms"],
+            [
+                [a["in_flight"], a["samples"], f"{a['p50']:.3f}", f"{a['p99']:.3f}"]
+                for a in results["aux_latency_ms"]
+            ],
+        )
     )
+    parts.append("")
     parts.append("**Control plane** (POST /rooms to finished, 64 KiB of KV a room)\n")
     parts.append(
         _table(

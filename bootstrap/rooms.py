@@ -81,15 +81,15 @@ class RoomBook:
         self._trim()
 
     def _trim(self) -> None:
-        excess = len(self.rooms) - self.history
-        if excess <= 0:
-            return
-        for room_id in list(self.rooms):
-            if excess <= 0:
-                break
-            if self.rooms[room_id].finished.is_set():
-                del self.rooms[room_id]
-                excess -= 1
+        """Forget the oldest finished rooms past the history size; O(1) per room added.
+
+        A room still in flight at the head holds trimming back until it finishes.
+        """
+        while len(self.rooms) > self.history:
+            oldest = next(iter(self.rooms.values()))
+            if not oldest.finished.is_set():
+                return
+            self.rooms.popitem(last=False)
 
     def in_flight(self) -> list[RoomRecord]:
         return [r for r in self.rooms.values() if not r.state.terminal]
@@ -106,6 +106,7 @@ class RoomBook:
         record.prefill.rooms.discard(record.id)
         record.decode.rooms.discard(record.id)
         record.finished.set()
+        self._trim()
 
     def apply(self, record: RoomRecord, role: str, report: protocol.RoomStatus) -> list[Node]:
         """Fold a node's report into the room; returns nodes that must be told to abort."""

@@ -122,3 +122,26 @@ def test_room_is_placed_and_can_be_aborted(client):
     aborted = client.delete(f"/rooms/{body['room']}").json()
     assert aborted["state"] == "FAILED" and aborted["reason"] == "aborted" and aborted["finished"]
     assert client.get(f"/rooms/{body['room']}", params={"wait": 5}).json()["state"] == "FAILED"
+
+
+def test_room_history_is_bounded():
+    from bootstrap.registry import Node, NodeRegistration
+    from bootstrap.rooms import RoomBook, RoomRecord
+
+    book = RoomBook(history=3)
+    prefill, decode = (
+        Node(NodeRegistration(**registration(n, r))) for n, r in (("p", "prefill"), ("d", "decode"))
+    )
+    records = [RoomRecord(book.new_id(), [1], 1, prefill, decode) for _ in range(6)]
+    for record in records[:4]:
+        book.add(record)
+    assert len(book.rooms) == 4  # the oldest is still in flight: kept
+    book.fail(records[0], "aborted")
+    assert list(book.rooms) == [r.id for r in records[1:4]]
+    for record in records[4:]:
+        book.add(record)
+        book.fail(record, "aborted")
+    assert len(book.rooms) == 5  # records 1..3 in flight hold the head; nothing finished behind them is lost
+    for record in records[1:4]:
+        book.fail(record, "aborted")
+    assert len(book.rooms) == 3 and list(book.rooms) == [r.id for r in records[3:]]
