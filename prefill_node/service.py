@@ -77,8 +77,14 @@ class PrefillService(NodeService):
             log.warning("room=%d %s", job.id, exc, extra={"room": job.id})
             self._fail(job, FailureReason.NO_CAPACITY)
             return
-        job.busy = True
-        self.spawn(self._compute(job))
+        if self.settings.kv_mode == "synthetic":
+            # Two tensor writes stand in for the model: done here, the room is ready at once.
+            started = time.perf_counter()
+            synthetic_kv.fill(self.pool, job.pages, job.id)
+            self._kv_ready(job, 0, 0.0, time.perf_counter() - started)
+        else:
+            job.busy = True
+            self.spawn(self._compute(job))
         early = self.early.pop(msg.room, None)
         if early is not None:
             self._on_request(early[0])
@@ -147,20 +153,18 @@ class PrefillService(NodeService):
     async def _compute(self, job: PrefillJob) -> None:
         started = time.perf_counter()
         try:
-            if self.settings.kv_mode == "synthetic":  # two tensor writes: not worth a thread hop
-                synthetic_kv.fill(self.pool, job.pages, job.id)
-                job.first_token, job.logprob = 0, 0.0
-            else:
-                job.first_token, job.logprob = await asyncio.to_thread(
-                    self.model.prefill, self.pool, job.pages, job.input_ids
-                )
+            first, logprob = await asyncio.to_thread(self.model.prefill, self.pool, job.pages, job.input_ids)
         except Exception:
             log.exception("room=%d prefill failed", job.id, extra={"room": job.id})
             job.busy = False
             self._fail(job, FailureReason.PREFILL_FAILED)
             return
+        self._kv_ready(job, first, logprob, time.perf_counter() - started)
+
+    def _kv_ready(self, job: PrefillJob, first_token: int, logprob: float, seconds: float) -> None:
         job.busy = False
-        job.timings["prefill_s"] = time.perf_counter() - started
+        job.first_token, job.logprob = first_token, logprob
+        job.timings["prefill_s"] = seconds
         if job.state.terminal:  # aborted while the model ran
             self._release(job)
             return
