@@ -85,34 +85,15 @@ class Cluster:
             len(input_ids),
             extra={"room": record.id},
         )
+        room, token = record.id, self.token
         sent = all(
-            self.push.send(
-                peer.zmq_endpoint,
-                protocol.encode(
-                    protocol.PrefillRoom(
-                        room=record.id,
-                        rank=peer.rank,
-                        token=self.token,
-                        input_ids=input_ids,
-                        decode_node=decode.id,
-                        decode_ranks=decode.peers,
-                    )
-                ),
-            )
+            self._send(peer, protocol.PrefillRoom(room, peer.rank, token, input_ids, decode.id, decode.peers))
             for peer in prefill.peers
         ) and all(
-            self.push.send(
-                peer.zmq_endpoint,
-                protocol.encode(
-                    protocol.DecodeRoom(
-                        room=record.id,
-                        rank=peer.rank,
-                        token=self.token,
-                        prompt_len=len(input_ids),
-                        max_new_tokens=max_new_tokens,
-                        prefill_node=prefill.id,
-                        prefill_ranks=prefill.peers,
-                    )
+            self._send(
+                peer,
+                protocol.DecodeRoom(
+                    room, peer.rank, token, len(input_ids), max_new_tokens, prefill.id, prefill.peers
                 ),
             )
             for peer in decode.peers
@@ -134,12 +115,12 @@ class Cluster:
 
     def _abort_on(self, node: Node, record: RoomRecord, reason: str) -> None:
         for peer in node.peers:
-            self.push.send(
-                peer.zmq_endpoint,
-                protocol.encode(
-                    protocol.AbortRoom(room=record.id, rank=peer.rank, token=self.token, reason=reason)
-                ),
+            self._send(
+                peer, protocol.AbortRoom(room=record.id, rank=peer.rank, token=self.token, reason=reason)
             )
+
+    def _send(self, peer: protocol.PeerRank, msg: protocol.Message) -> bool:
+        return self.push.send(peer.zmq_endpoint, protocol.encode(msg))
 
     def _count_end(self, record: RoomRecord) -> None:
         self.metrics.transitions.labels(record.state.name).inc()

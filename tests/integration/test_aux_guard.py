@@ -46,7 +46,8 @@ def test_room_is_not_success_until_its_aux_arrives(stack, held, model):
         proxy.release(other)
 
         # KV writes completed (the prefill is done), the aux is missing: not SUCCESS.
-        assert node_room(prefill, room)["state"] == "SUCCESS"
+        wait_for(lambda: node_room(prefill, room)["state"] == "SUCCESS", 10, "the prefill to finish")
+        wait_for(lambda: client.get(f"/rooms/{room}").json()["state"] == "TRANSFERRING", 10, "the report")
         for _ in range(10):
             assert node_room(decode, room)["state"] == "TRANSFERRING"
             assert client.get(f"/rooms/{room}").json()["state"] == "TRANSFERRING"

@@ -34,7 +34,9 @@ def test_prefill_killed_mid_transfer(fast_stack, model):
                 for i in range(3)
             ]
             wait_for(lambda: proxy.held_rooms() == set(rooms), 20, "three rooms mid-transfer")
-            assert all(node_room(decode, r)["state"] == "TRANSFERRING" for r in rooms)
+            wait_for(
+                lambda: all(node_room(decode, r)["state"] == "TRANSFERRING" for r in rooms), 10, "decode"
+            )
             prefill.kill()
             for room in rooms:
                 final = client.get(f"/rooms/{room}", params={"wait": 15}).json()
