@@ -10,7 +10,7 @@ from collections.abc import Callable
 import zmq
 
 from shared import protocol
-from shared.local_stack import free_port
+from shared.local_stack import Service, free_port
 
 Frames = list[bytes]
 
@@ -87,3 +87,10 @@ class HoldingProxy:
     def held_rooms(self) -> set[int]:
         with self._lock:
             return {protocol.decode(frames)[0].room for frames in self.held}
+
+
+def in_front_of(service: Service, hold: Callable[[protocol.Message], bool]) -> HoldingProxy:
+    """A proxy that ``service`` (not started yet) will advertise as its ZMQ endpoint."""
+    proxy = HoldingProxy(service.zmq_port, hold)
+    service.args += ["--advertise-zmq-port", str(proxy.port)]
+    return proxy

@@ -2,7 +2,7 @@
 
 from shared import protocol
 from tests.integration.helpers import metric, node_room, pools_full, wait_for
-from tests.integration.holding_proxy import HoldingProxy
+from tests.integration.holding_proxy import in_front_of
 
 
 def test_abort_in_flight_room(stack):
@@ -14,8 +14,7 @@ def test_abort_in_flight_room(stack):
         return isinstance(msg, protocol.TransferRequest)
 
     # The decode's transfer request is held, so the room stays in flight until we abort it.
-    with HoldingProxy(prefill.zmq_port, hold) as proxy:
-        prefill.args += ["--advertise-zmq-port", str(proxy.port)]
+    with in_front_of(prefill, hold) as proxy:
         prefill.start()
         decode = stack.node("decode", "decode-0").start()
         prefill.wait_healthy()

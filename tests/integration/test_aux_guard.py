@@ -8,7 +8,7 @@ from shared import protocol
 from shared.aux_buffers import AUX_RECORD
 from shared.model import encode_text, generate
 from tests.integration.helpers import metric, node_room, pools_full, wait_for
-from tests.integration.holding_proxy import HoldingProxy
+from tests.integration.holding_proxy import in_front_of
 
 
 @pytest.fixture
@@ -19,8 +19,7 @@ def held(stack):
         stack.bootstrap.start()
         stack.bootstrap.wait_healthy(registered=False)
         decode = stack.node("decode", "decode-0", list(decode_args))
-        proxy = exits.enter_context(HoldingProxy(decode.zmq_port, lambda m: isinstance(m, kinds)))
-        decode.args += ["--advertise-zmq-port", str(proxy.port)]
+        proxy = exits.enter_context(in_front_of(decode, lambda m: isinstance(m, kinds)))
         decode.start()
         prefill = stack.node("prefill", "prefill-0").start()
         decode.wait_healthy()

@@ -6,14 +6,7 @@ from shared import protocol
 from shared.model import encode_text, generate
 from tests.integration.conftest import FAST_NODE
 from tests.integration.helpers import metric, node_room, pools_full, wait_for
-from tests.integration.holding_proxy import HoldingProxy
-
-
-def start_behind_proxy(stack, node, hold):
-    proxy = HoldingProxy(node.zmq_port, hold).__enter__()
-    node.args += ["--advertise-zmq-port", str(proxy.port)]
-    node.start()
-    return proxy
+from tests.integration.holding_proxy import in_front_of
 
 
 def test_prefill_killed_mid_transfer(fast_stack, model):
@@ -22,8 +15,8 @@ def test_prefill_killed_mid_transfer(fast_stack, model):
     stack.bootstrap.wait_healthy(registered=False)
     decode = stack.node("decode", "decode-0", [*FAST_NODE, "--transfer-timeout-s", "5"])
     # Done+aux is held: the rooms are TRANSFERRING on the decode when the prefill dies.
-    proxy = start_behind_proxy(stack, decode, lambda m: isinstance(m, protocol.KvDone))
-    try:
+    with in_front_of(decode, lambda m: isinstance(m, protocol.KvDone)) as proxy:
+        decode.start()
         prefill = stack.node("prefill", "prefill-0", FAST_NODE).start()
         decode.wait_healthy()
         prefill.wait_healthy()
@@ -64,8 +57,6 @@ def test_prefill_killed_mid_transfer(fast_stack, model):
             final = client.get(f"/rooms/{room['room']}", params={"wait": 20}).json()
             assert final["state"] == "SUCCESS"
             assert final["output_ids"] == generate(model, encode_text("survivor"), 6)
-    finally:
-        proxy.__exit__()
 
 
 def test_decode_killed_prefill_frees_and_serves_others(fast_stack, model):
@@ -74,8 +65,8 @@ def test_decode_killed_prefill_frees_and_serves_others(fast_stack, model):
     stack.bootstrap.wait_healthy(registered=False)
     prefill = stack.node("prefill", "prefill-0", FAST_NODE)
     # Transfer requests are held: the prefill holds computed KV for rooms of the doomed decode.
-    proxy = start_behind_proxy(stack, prefill, lambda m: isinstance(m, protocol.TransferRequest))
-    try:
+    with in_front_of(prefill, lambda m: isinstance(m, protocol.TransferRequest)) as proxy:
+        prefill.start()
         doomed = stack.node("decode", "decode-a", FAST_NODE).start()
         prefill.wait_healthy()
         doomed.wait_healthy()
@@ -117,8 +108,6 @@ def test_decode_killed_prefill_frees_and_serves_others(fast_stack, model):
             assert final["state"] == "SUCCESS"
             assert final["output_ids"] == generate(model, encode_text("next"), 5)
             wait_for(lambda: pools_full(prefill, survivor), 10, "pools full")
-    finally:
-        proxy.__exit__()
 
 
 def test_bootstrap_restart_nodes_register_again(fast_stack, model):
