@@ -15,9 +15,9 @@ log = logging.getLogger(__name__)
 class KVPool:
     """``num_pages`` pages of ``layout.page_shape`` in one contiguous tensor.
 
-    Pages are handed out lowest-first from a FIFO free list that starts in
-    order, so a fresh pool gives consecutive runs that coalesce into few
-    transfers.
+    Pages are handed out from the front of a free list that starts in order,
+    and freed pages return to the front: consecutive runs stay consecutive and
+    coalesce into few transfers, and recently used (cache-warm) pages go first.
     """
 
     def __init__(self, layout: KVLayout, num_pages: int, device: str = "cpu", scatter: bool = False):
@@ -62,4 +62,9 @@ class KVPool:
             if page not in self._used:
                 raise ValueError(f"page {page} freed but not in use")
         self._used.difference_update(pages)
-        self._free.extend(pages if self._scatter else sorted(pages))
+        if self._scatter:
+            self._free.extend(pages)
+        else:
+            # Freed pages go to the front, in order: the next room reuses them while they
+            # are still in cache, as one run if they were one.
+            self._free.extendleft(sorted(pages, reverse=True))

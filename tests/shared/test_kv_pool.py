@@ -57,3 +57,19 @@ def test_layout_mismatch_names_the_field():
     other = KVLayout(num_layers=2, num_kv_heads=4, head_dim=16, page_size=32)
     assert "page_size" in LAYOUT.mismatch(other)
     assert LAYOUT.pages_for(1) == 1 and LAYOUT.pages_for(16) == 1 and LAYOUT.pages_for(17) == 2
+
+
+def test_freed_pages_are_reused_first_and_stay_one_run():
+    pool = KVPool(LAYOUT, 16)
+    a = pool.alloc(4)
+    b = pool.alloc(4)
+    pool.free(a)
+    assert pool.alloc(4) == a  # warm pages first, still consecutive
+    pool.free(b)
+    assert pool.alloc(2) == b[:2]
+
+
+def test_scattered_pools_break_runs():
+    pool = KVPool(LAYOUT, 64, scatter=True)
+    pages = pool.alloc(16)
+    assert sorted(pages) != pages and len(set(pages)) == 16
