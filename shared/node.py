@@ -46,6 +46,7 @@ class _EmbeddedServer(uvicorn.Server):
 
 class NodeService(abc.ABC):
     role: str
+    loop: asyncio.AbstractEventLoop  # set when run() starts
 
     def __init__(self, settings: NodeSettings, engine: TransferEngine | None = None):
         self.settings = settings
