@@ -138,8 +138,21 @@ class DecodeService(NodeService):
             job.pending.add(peer.rank)
             job.leased.add(peer.rank)
 
+    def _progress_job(self, room: int, rank: int, prefill_rank: int) -> DecodeJob | None:
+        """The room a progress notice is for; None for a room that already ended.
+
+        Accept and start notices can be overtaken by the done+aux they precede,
+        so one for a finished room is expected and dropped without complaint.
+        """
+        if room not in self.rooms.live and self.rooms.find(room) is not None:
+            log.debug("room=%d progress notice after the room ended", room, extra={"room": room})
+            return None
+        return self._job_for(room, rank, prefill_rank)
+
     def _on_accepted(self, msg: protocol.TransferAccepted) -> None:
-        job = self._job_for(msg.room, msg.rank, msg.prefill_rank)
+        job = self._progress_job(msg.room, msg.rank, msg.prefill_rank)
+        if job is None:
+            return
         if msg.prefill_rank not in job.unaccepted:
             raise RejectedMessage("duplicate accept", room=job.id, kind="duplicate")
         job.unaccepted.discard(msg.prefill_rank)
@@ -147,8 +160,9 @@ class DecodeService(NodeService):
             job.advance_to(RoomState.WAITING_FOR_INPUT)
 
     def _on_started(self, msg: protocol.TransferStarted) -> None:
-        job = self._job_for(msg.room, msg.rank, msg.prefill_rank)
-        job.advance_to(RoomState.TRANSFERRING)
+        job = self._progress_job(msg.room, msg.rank, msg.prefill_rank)
+        if job is not None:
+            job.advance_to(RoomState.TRANSFERRING)
 
     def _on_done(self, msg: protocol.KvDone, record: memoryview | None) -> None:
         job = self._job_for(msg.room, msg.rank, msg.prefill_rank)

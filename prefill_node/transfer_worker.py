@@ -1,9 +1,10 @@
-"""One thread that runs every KV write of a prefill node, then sends that room's done+aux.
+"""One thread that runs every KV write of a prefill node, with the room's notices around it.
 
 The engine busy-polls a core while a write is in flight. Several writers at
 once would take every core from the receiving side and the event loops on the
-same host, so writes run one after another here. Sending done+aux from this
-thread, right after the write returned, keeps the event loop off the path
+same host, so writes run one after another here. The start notice and the
+done+aux go out from this thread on one socket, so they reach the decode in
+order, and done+aux leaves the moment the write returned, with no event loop
 between "bytes landed" and "decode told".
 """
 
@@ -31,6 +32,7 @@ class TransferTask:
     session_id: str
     writes: list[Write]
     endpoint: str
+    started: protocol.TransferStarted
     done: protocol.KvDone  # completed_at and bytes_written are filled in after the write
     aux: bytes
 
@@ -78,6 +80,7 @@ class TransferWorker:
             outcome = TransferOutcome(task)
             try:
                 if task.room not in self._cancelled:
+                    self._push.send(task.endpoint, protocol.encode(task.started))
                     started = time.perf_counter()
                     outcome.written = self._engine.write(task.session_id, task.writes)
                     outcome.seconds = time.perf_counter() - started

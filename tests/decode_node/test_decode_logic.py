@@ -147,3 +147,18 @@ def test_each_waiting_state_has_its_timeout(steps, reason):
         assert (job.state.name, job.reason) == ("FAILED", reason)
 
     run(body)
+
+
+def test_progress_notices_overtaken_by_done_are_dropped_quietly():
+    async def body(service):
+        job = assign(service)
+        done(service)  # done+aux overtook the accept and the start notice
+        assert job.state.name == "SUCCESS"
+        service.handle(protocol.TransferStarted(ROOM, 0, 0), None)
+        service.handle(protocol.TransferAccepted(ROOM, 0, 0), None)
+        assert job.state.name == "SUCCESS"
+        assert list(job.timestamps) == ["BOOTSTRAPPING", "WAITING_FOR_INPUT", "TRANSFERRING", "SUCCESS"]
+        with pytest.raises(RejectedMessage, match="unknown room"):
+            service.handle(protocol.TransferStarted(ROOM + 5, 0, 0), None)
+
+    run(body)
