@@ -4,39 +4,27 @@ import asyncio
 import collections
 import logging
 import secrets
-import time
 
 from bootstrap.registry import Node
 from shared import protocol
 from shared.model import decode_text
-from shared.states import FailureReason, RoomState, check_transition, forward_path
+from shared.room import Room
+from shared.states import FailureReason, RoomState, forward_path
 
 log = logging.getLogger(__name__)
 
 
-class RoomRecord:
+class RoomRecord(Room):
+    """A room as the bootstrap sees it: its placement, the decode's state, the result."""
+
     def __init__(self, room: int, input_ids: list[int], max_new_tokens: int, prefill: Node, decode: Node):
-        self.id = room
+        super().__init__(room)
         self.input_ids = input_ids
         self.max_new_tokens = max_new_tokens
         self.prefill = prefill
         self.decode = decode
-        self.state = RoomState.BOOTSTRAPPING
-        self.reason: str | None = None
-        self.created_at = time.time()
-        self.timestamps: dict[str, float] = {self.state.name: self.created_at}
         self.node_states: dict[str, dict[str, object]] = {}
-        self.timings: dict[str, float] = {}
-        self.output_ids: list[int] | None = None
         self.finished = asyncio.Event()
-
-    def move(self, new: RoomState, reason: str | None = None, ts: float | None = None) -> None:
-        self.state = check_transition(self.id, self.state, new)
-        self.reason = reason
-        self.timestamps[new.name] = ts or time.time()
-        log.info(
-            "room=%d %s%s", self.id, new.name, f" reason={reason}" if reason else "", extra={"room": self.id}
-        )
 
     def view(self) -> dict[str, object]:
         return {
@@ -96,9 +84,8 @@ class RoomBook:
 
     def fail(self, record: RoomRecord, reason: str) -> bool:
         """End the room FAILED unless it already ended; True if this call ended it."""
-        if record.state.terminal:
+        if not record.fail(reason):
             return False
-        record.move(RoomState.FAILED, reason)
         self._finish(record)
         return True
 
@@ -120,7 +107,7 @@ class RoomBook:
             return []
         if role == "decode":
             for step in forward_path(record.state, state):
-                record.move(step, ts=report.timestamps.get(step.name))
+                record.advance(step, ts=report.timestamps.get(step.name))
         if role == "decode" and report.output_ids is not None and record.state is RoomState.SUCCESS:
             record.output_ids = report.output_ids
             if report.reason:

@@ -10,8 +10,12 @@ from shared.states import FailureReason, RoomState, check_transition, forward_pa
 log = logging.getLogger(__name__)
 
 
+def _ignore(room: "Room") -> None:
+    pass
+
+
 class Room:
-    def __init__(self, room_id: int, on_change: Callable[["Room"], None]):
+    def __init__(self, room_id: int, on_change: Callable[["Room"], None] = _ignore):
         self.id = room_id
         self.state = RoomState.BOOTSTRAPPING
         self.reason: str | None = None
@@ -21,11 +25,14 @@ class Room:
         self._on_change = on_change
         log.info("room=%d %s", room_id, self.state.name, extra={"room": room_id})
 
-    def advance(self, new: RoomState, reason: str | None = None) -> None:
-        """Move to ``new`` if the table allows it; IllegalTransition otherwise."""
+    def advance(self, new: RoomState, reason: str | None = None, ts: float | None = None) -> None:
+        """Move to ``new`` if the table allows it; IllegalTransition otherwise.
+
+        ``ts`` is when the move happened, if not now (a state a peer reported).
+        """
         self.state = check_transition(self.id, self.state, new)
         self.reason = reason
-        self.timestamps[new.name] = time.time()
+        self.timestamps[new.name] = ts or time.time()
         if reason:
             log.info("room=%d %s reason=%s", self.id, new.name, reason, extra={"room": self.id})
         else:

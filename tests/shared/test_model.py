@@ -34,14 +34,21 @@ def test_page_size_does_not_change_tokens(model, page_size):
     assert generate(model, ids, 10, page_size) == generate(model, ids, 10, 16)
 
 
+def prefilled(model, ids, max_new_tokens):
+    """A pool holding the prompt's KV: (layout, pool, its pages, the first output token)."""
+    layout = model.config.kv_layout(16)
+    n = pages_needed(layout, len(ids), max_new_tokens)
+    pool = KVPool(layout, n)
+    pages = pool.alloc(n)
+    first, _ = model.prefill(pool, pages, ids)
+    return layout, pool, pages, first
+
+
 def test_kv_moved_to_scattered_pages_decodes_the_same(model):
     """What a disaggregated run does: prefill in one pool, copy pages, decode in another."""
     ids = encode_text("x" * 70)
-    layout = model.config.kv_layout(16)
-    n = pages_needed(layout, len(ids), 8)
-    src = KVPool(layout, n)
-    src_pages = src.alloc(n)
-    first, _ = model.prefill(src, src_pages, ids)
+    layout, src, src_pages, first = prefilled(model, ids, 8)
+    n = len(src_pages)
     dst = KVPool(layout, 32)
     dst_pages = [30, 2, 17, 5, 9, 11][:n]
     for s, d in zip(src_pages[: layout.pages_for(len(ids))], dst_pages, strict=False):
@@ -51,11 +58,7 @@ def test_kv_moved_to_scattered_pages_decodes_the_same(model):
 
 def test_corrupted_kv_changes_the_output(model):
     ids = encode_text("the transferred KV matters " * 4)
-    layout = model.config.kv_layout(16)
-    n = pages_needed(layout, len(ids), 12)
-    pool = KVPool(layout, n)
-    pages = pool.alloc(n)
-    first, _ = model.prefill(pool, pages, ids)
+    _, pool, pages, first = prefilled(model, ids, 12)
     pool.data[pages[0]] = 0  # a page that never landed
     assert model.decode(pool, pages, len(ids), first, 12) != generate(model, ids, 12)
 
