@@ -1,11 +1,10 @@
-"""One thread that runs every KV write of a prefill node, with the room's notices around it.
+"""One thread that runs every KV write of a prefill node, and sends each room's done+aux.
 
 The engine busy-polls a core while a write is in flight. Several writers at
 once would take every core from the receiving side and the event loops on the
-same host, so writes run one after another here. The start notice and the
-done+aux go out from this thread on one socket, so they reach the decode in
-order, and done+aux leaves the moment the write returned, with no event loop
-between "bytes landed" and "decode told".
+same host, so writes run one after another here. Done+aux leaves from this
+thread the moment the write returned, with no event loop between "bytes
+landed" and "decode told".
 """
 
 import dataclasses
@@ -32,7 +31,6 @@ class TransferTask:
     session_id: str
     writes: list[Write]
     endpoint: str
-    started: protocol.TransferStarted
     done: protocol.KvDone  # completed_at and bytes_written are filled in after the write
     aux: bytes
 
@@ -80,7 +78,6 @@ class TransferWorker:
             outcome = TransferOutcome(task)
             try:
                 if task.room not in self._cancelled:
-                    self._push.send(task.endpoint, protocol.encode(task.started))
                     started = time.perf_counter()
                     outcome.written = self._engine.write(task.session_id, task.writes)
                     outcome.seconds = time.perf_counter() - started

@@ -9,18 +9,14 @@ import collections
 import struct
 from dataclasses import dataclass
 
-import torch
-
 from shared.errors import AuxValidationError, PoolExhausted
 
-# room id, first output token, cached-token count, logprob of the first token
+# room id (int64), first output token (int32), cached-token count (int32),
+# logprob of the first token (float32)
 AUX_RECORD = struct.Struct("<qiif")
-AUX_FIELDS: tuple[tuple[str, torch.dtype], ...] = (
-    ("room", torch.int64),
-    ("first_token", torch.int32),
-    ("cached_tokens", torch.int32),
-    ("logprob", torch.float32),
-)
+
+
+_ZERO_RECORD = bytes(AUX_RECORD.size)
 
 
 @dataclass(frozen=True)
@@ -35,14 +31,18 @@ class Aux:
 
 
 class AuxBuffers:
-    """``slots`` aux records in CPU tensors, one tensor per field."""
+    """``slots`` aux records back to back in one CPU buffer, in the wire layout.
+
+    A record is copied in and out whole: one memory copy per room, where a
+    store per field would cost a Python call each.
+    """
 
     def __init__(self, slots: int):
         if slots < 1:
             raise ValueError("aux buffers need at least one slot")
         self.slots = slots
         # Always on the CPU: the aux never rides the asynchronous KV transport.
-        self.fields = {name: torch.zeros(slots, dtype=dtype) for name, dtype in AUX_FIELDS}
+        self._records = memoryview(bytearray(slots * AUX_RECORD.size))
         self._free: collections.deque[int] = collections.deque(range(slots))
         self._used: set[int] = set()
 
@@ -60,8 +60,7 @@ class AuxBuffers:
     def free(self, slot: int) -> None:
         if slot not in self._used:
             raise ValueError(f"aux slot {slot} freed but not in use")
-        for tensor in self.fields.values():
-            tensor[slot] = 0
+        self._record(slot)[:] = _ZERO_RECORD
         self._used.remove(slot)
         self._free.append(slot)
 
@@ -71,17 +70,13 @@ class AuxBuffers:
             raise AuxValidationError(f"aux slot {slot} is not allocated")
         if len(record) != AUX_RECORD.size:
             raise AuxValidationError(f"aux record of {len(record)} bytes, expected {AUX_RECORD.size}")
-        for tensor, value in zip(self.fields.values(), AUX_RECORD.unpack(record), strict=True):
-            tensor[slot] = value
+        self._record(slot)[:] = record
 
     def read(self, slot: int) -> Aux:
-        f = self.fields
-        return Aux(
-            room=int(f["room"][slot]),
-            first_token=int(f["first_token"][slot]),
-            cached_tokens=int(f["cached_tokens"][slot]),
-            logprob=float(f["logprob"][slot]),
-        )
+        return Aux(*AUX_RECORD.unpack(self._record(slot)))
+
+    def _record(self, slot: int) -> memoryview:
+        return self._records[slot * AUX_RECORD.size : (slot + 1) * AUX_RECORD.size]
 
     def validate(self, slot: int, room: int, prompt_len: int, vocab_size: int) -> Aux:
         """The record in ``slot`` as landed, or AuxValidationError if it is not this room's."""

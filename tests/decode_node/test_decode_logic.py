@@ -90,7 +90,7 @@ def test_foreign_slot_duplicate_and_unknown_room_are_rejected_without_effect():
         with pytest.raises(Exception, match="rank 3"):
             service.handle(protocol.KvDone(ROOM, 0, 3, job.aux_slot, 2, 0, 0.0), Aux(ROOM, 1, 20, 0.0).pack())
         assert job.state.name == other.state.name == "BOOTSTRAPPING"
-        assert int(service.aux.fields["room"][other.aux_slot]) == 0  # nothing was written into it
+        assert service.aux.read(other.aux_slot).room == 0  # nothing was written into it
         done(service)
         with pytest.raises(Exception, match="finished"):
             done(service)  # the duplicate

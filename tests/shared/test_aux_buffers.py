@@ -15,7 +15,6 @@ def test_slots_alloc_free_and_zero():
     assert buffers.read(a) == Aux(0, 0, 0, 0.0)
     with pytest.raises(ValueError):
         buffers.free(a)
-    assert all(t.device.type == "cpu" for t in buffers.fields.values())
 
 
 def test_write_then_validate_reads_what_landed():
