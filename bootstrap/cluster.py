@@ -4,7 +4,7 @@ import asyncio
 import logging
 import secrets
 
-import zmq.asyncio
+import zmq
 
 from bootstrap.registry import Node, NodeRegistration, NodeRegistry
 from bootstrap.rooms import RoomBook, RoomRecord
@@ -13,7 +13,7 @@ from shared import protocol
 from shared.errors import ProtocolError
 from shared.metrics import ServiceMetrics
 from shared.states import FailureReason, RoomState
-from shared.zmq_io import PushSockets, bind_pull
+from shared.zmq_io import PushSockets, bind_pull, receive_forever
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ class Cluster:
                 f"Live {role} nodes",
                 lambda role=role: self.registry.live_count(role),  # type: ignore[misc]
             )
-        self.zmq = zmq.asyncio.Context()
+        self.zmq = zmq.Context()
         self.push = PushSockets(self.zmq)
         # Nodes take room assignments and aborts only when they carry this token.
         self.token = secrets.token_hex(16)
@@ -152,22 +152,23 @@ class Cluster:
         sock = bind_pull(self.zmq, self.settings.bind_zmq_endpoint())
         ready.set()
         try:
-            while True:
-                buffers = await sock.recv_multipart()
-                self.metrics.received.inc()
-                try:
-                    msg, _ = protocol.decode(buffers)
-                    if not isinstance(msg, protocol.RoomReports):
-                        raise ProtocolError(f"the bootstrap does not take {type(msg).__name__}")
-                    self.on_reports(msg)
-                except ProtocolError as exc:
-                    self.metrics.rejected.labels(exc.kind).inc()
-                    log.warning("room=%s dropped report (%s): %s", protocol.peek_room(buffers), exc.kind, exc)
-                except Exception:
-                    self.metrics.rejected.labels("internal").inc()
-                    log.exception("report handler failed; the bootstrap keeps serving")
+            await receive_forever(sock, self._on_report)
         finally:
             sock.close(0)
+
+    def _on_report(self, buffers: list[bytes]) -> None:
+        self.metrics.received.inc()
+        try:
+            msg, _ = protocol.decode(buffers)
+            if not isinstance(msg, protocol.RoomReports):
+                raise ProtocolError(f"the bootstrap does not take {type(msg).__name__}")
+            self.on_reports(msg)
+        except ProtocolError as exc:
+            self.metrics.rejected.labels(exc.kind).inc()
+            log.warning("room=%s dropped report (%s): %s", protocol.peek_room(buffers), exc.kind, exc)
+        except Exception:
+            self.metrics.rejected.labels("internal").inc()
+            log.exception("report handler failed; the bootstrap keeps serving")
 
     async def watch_nodes(self) -> None:
         while True:

@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 import uvicorn
-import zmq.asyncio
+import zmq
 from fastapi import FastAPI, HTTPException, Response
 
 from shared import protocol
@@ -28,7 +28,7 @@ from shared.room import Room, RoomTable
 from shared.settings import NodeSettings
 from shared.states import RoomState
 from shared.transfer import MooncakeEngine, TransferEngine
-from shared.zmq_io import PushSockets, bind_pull
+from shared.zmq_io import PushSockets, bind_pull, receive_forever
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class NodeService(abc.ABC):
         self.pool = KVPool(self.layout, settings.num_pages, settings.device, scatter=settings.scatter_pages)
         self.engine.register(self.pool.base_ptr, self.pool.nbytes)
         self.rank = 0  # one rank per node for now; the protocol carries ranks throughout
-        self.zmq = zmq.asyncio.Context()
+        self.zmq = zmq.Context()
         self._push = PushSockets(self.zmq)
         self._report_endpoint: str | None = None
         self._pending_reports: dict[int, Room] = {}
@@ -170,20 +170,18 @@ class NodeService(abc.ABC):
         if not task.cancelled() and task.exception() is not None:
             log.error("task failed", exc_info=task.exception())
 
-    async def _receive(self, sock: zmq.asyncio.Socket) -> None:
-        while True:
-            buffers = await sock.recv_multipart()
-            self.metrics.received.inc()
-            try:
-                msg, aux = protocol.decode(buffers)
-                self.handle(msg, aux)
-            except ProtocolError as exc:
-                room = getattr(exc, "room", None) or protocol.peek_room(buffers)
-                self.metrics.rejected.labels(exc.kind).inc()
-                log.warning("room=%s dropped message (%s): %s", room, exc.kind, exc, extra={"room": room})
-            except Exception:
-                self.metrics.rejected.labels("internal").inc()
-                log.exception("message handler failed; the node keeps serving")
+    def _on_message(self, buffers: list[bytes]) -> None:
+        self.metrics.received.inc()
+        try:
+            msg, aux = protocol.decode(buffers)
+            self.handle(msg, aux)
+        except ProtocolError as exc:
+            room = getattr(exc, "room", None) or protocol.peek_room(buffers)
+            self.metrics.rejected.labels(exc.kind).inc()
+            log.warning("room=%s dropped message (%s): %s", room, exc.kind, exc, extra={"room": room})
+        except Exception:
+            self.metrics.rejected.labels("internal").inc()
+            log.exception("message handler failed; the node keeps serving")
 
     # -- bootstrap ----------------------------------------------------------------
 
@@ -295,7 +293,7 @@ class NodeService(abc.ABC):
             async with asyncio.TaskGroup() as tg:
                 http = tg.create_task(server.serve())
                 loops = [
-                    tg.create_task(self._receive(pull)),
+                    tg.create_task(receive_forever(pull, self._on_message)),
                     tg.create_task(self._keep_registered()),
                     tg.create_task(self.background()),
                 ]

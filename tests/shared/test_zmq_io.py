@@ -1,25 +1,69 @@
 import asyncio
 
 import zmq
-import zmq.asyncio
 
-from shared.zmq_io import PushSockets, bind_pull
+from shared.zmq_io import RECEIVE_BATCH, PushSockets, bind_pull, receive_forever
 
 
 def test_sends_reach_a_pull_socket_and_bad_endpoints_fail_cleanly():
     async def run():
-        ctx = zmq.asyncio.Context()
+        ctx = zmq.Context()
         pull = bind_pull(ctx, "tcp://127.0.0.1:*")
         endpoint = pull.getsockopt(zmq.LAST_ENDPOINT).decode()
         push = PushSockets(ctx, max_sockets=2)
+        received: list[list[bytes]] = []
+        receiver = asyncio.create_task(receive_forever(pull, received.append))
         try:
             assert push.send(endpoint, [b"a", b"b"])
-            assert await asyncio.wait_for(pull.recv_multipart(), 5) == [b"a", b"b"]
+            for _ in range(500):
+                if received:
+                    break
+                await asyncio.sleep(0.01)
+            assert received == [[b"a", b"b"]]
             assert not push.send("not an endpoint", [b"x"])
             for port in range(1, 6):  # peers can name endpoints: the cache stays bounded
                 push.send(f"tcp://127.0.0.1:{port}", [b"x"])
             assert len(push._sockets) == 2
         finally:
+            receiver.cancel()
+            push.close()
+            pull.close(0)
+            ctx.term()
+
+    asyncio.run(run())
+
+
+def test_a_burst_is_received_whole_and_in_order_without_starving_the_loop():
+    async def run():
+        ctx = zmq.Context()
+        endpoint = "inproc://burst"  # a send returns with the message already in the queue
+        pull = bind_pull(ctx, endpoint)
+        push = PushSockets(ctx)
+        count = 600
+        assert count > RECEIVE_BATCH
+        for i in range(count):  # all queued before anyone watches the socket
+            assert push.send(endpoint, [str(i).encode()])
+        events: list[int | str] = []  # message numbers, and "tick" whenever other work ran
+
+        async def other_work() -> None:
+            while True:
+                events.append("tick")
+                await asyncio.sleep(0)
+
+        receiver = asyncio.create_task(receive_forever(pull, lambda f: events.append(int(f[0]))))
+        other = asyncio.create_task(other_work())
+        try:
+            for _ in range(500):
+                if events.count("tick") and count - 1 in events:
+                    break
+                await asyncio.sleep(0.01)
+            received = [e for e in events if e != "tick"]
+            assert received == list(range(count))
+            first, last = events.index(0), events.index(count - 1)
+            assert "tick" in events[first:last]  # the burst did not hold the loop to itself
+        finally:
+            receiver.cancel()
+            other.cancel()
             push.close()
             pull.close(0)
             ctx.term()
