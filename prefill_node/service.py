@@ -103,14 +103,16 @@ class PrefillService(NodeService):
         assert isinstance(job, PrefillJob)
         self._validate_request(job, req)
         job.request = req
+        if job.state is RoomState.WAITING_FOR_INPUT and not job.busy:
+            self._start_transfer(job)
+        # After the write is handed over: the accept may follow the start notice,
+        # which the decode allows for.
         self.send(
             req.aux_endpoint,
             protocol.encode(
                 protocol.TransferAccepted(room=job.id, rank=req.decode_rank, prefill_rank=self.rank)
             ),
         )
-        if job.state is RoomState.WAITING_FOR_INPUT and not job.busy:
-            self._start_transfer(job)
 
     def _validate_request(self, job: PrefillJob, req: protocol.TransferRequest) -> None:
         def reject(why: str, kind: str = "invalid") -> RejectedMessage:
@@ -191,12 +193,12 @@ class PrefillService(NodeService):
             completed_at=0.0,
         )
         aux = Aux(job.id, job.first_token, len(job.input_ids), job.logprob).pack()
+        self.worker.submit(TransferTask(job.id, req.session_id, writes, req.aux_endpoint, done, aux))
+        # Notices go after the hand-off: each send wakes a ZMQ I/O thread, which
+        # costs more than the worker needs to start the write.
         job.advance(RoomState.TRANSFERRING)
         started = protocol.TransferStarted(room=job.id, rank=req.decode_rank, prefill_rank=self.rank)
         self.send(req.aux_endpoint, protocol.encode(started))
-        # The hand-off comes last: the worker needs the GIL to begin, and this thread
-        # lets go of it only when the event loop goes idle.
-        self.worker.submit(TransferTask(job.id, req.session_id, writes, req.aux_endpoint, done, aux))
 
     def _transfer_finished(self, outcome: TransferOutcome) -> None:
         """On the event loop, after the worker wrote a room's KV (and sent its done+aux)."""

@@ -32,8 +32,11 @@ from shared.zmq_io import PushSockets, bind_pull, receive_forever
 
 log = logging.getLogger(__name__)
 
-# How long room state changes are gathered before they go to the bootstrap in one message.
+# How long room state changes are gathered before they go to the bootstrap in one
+# message: briefly for a room that ended, longer for progress, which no one waits on
+# and which would otherwise wake the bootstrap in the middle of most KV writes.
 REPORT_DELAY_S = 0.002
+PROGRESS_REPORT_DELAY_S = 0.05
 
 
 class _EmbeddedServer(uvicorn.Server):
@@ -68,6 +71,7 @@ class NodeService(abc.ABC):
         self._push = PushSockets(self.zmq)
         self._report_endpoint: str | None = None
         self._pending_reports: dict[int, Room] = {}
+        self._report_timer: asyncio.TimerHandle | None = None
         self.token: str | None = None  # from the bootstrap, at registration
         self._tasks: set[asyncio.Task[Any]] = set()
         self._stop = asyncio.Event()
@@ -124,17 +128,22 @@ class NodeService(abc.ABC):
             self.report(room)
 
     def report(self, room: Room) -> None:
-        """Tell the bootstrap where the room stands on this node, within REPORT_DELAY_S.
+        """Tell the bootstrap where the room stands on this node.
 
         Changes are gathered for a moment and sent as one message, the latest
         state of each room with the time it entered every state: under load
         the bootstrap handles a few messages instead of one per transition.
         """
-        if not self._pending_reports:
-            self.loop.call_later(REPORT_DELAY_S, self._flush_reports)
         self._pending_reports[room.id] = room
+        due = self.loop.time() + (REPORT_DELAY_S if room.state.terminal else PROGRESS_REPORT_DELAY_S)
+        if self._report_timer is not None:
+            if self._report_timer.when() <= due:
+                return
+            self._report_timer.cancel()
+        self._report_timer = self.loop.call_at(due, self._flush_reports)
 
     def _flush_reports(self) -> None:
+        self._report_timer = None
         rooms = list(self._pending_reports.values())
         self._pending_reports.clear()
         if self._report_endpoint is None:

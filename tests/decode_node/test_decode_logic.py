@@ -10,6 +10,8 @@ from shared import protocol
 from shared.aux_buffers import Aux
 from shared.errors import RejectedMessage
 from shared.local_stack import free_port
+from shared.node import PROGRESS_REPORT_DELAY_S, REPORT_DELAY_S
+from shared.states import RoomState
 from shared.transfer import FakeEngine
 
 PREFILL = protocol.PeerRank(rank=0, session_id="prefill:1", zmq_endpoint="tcp://127.0.0.1:9")
@@ -160,5 +162,30 @@ def test_progress_notices_overtaken_by_done_are_dropped_quietly():
         assert list(job.timestamps) == ["BOOTSTRAPPING", "WAITING_FOR_INPUT", "TRANSFERRING", "SUCCESS"]
         with pytest.raises(RejectedMessage, match="unknown room"):
             service.handle(protocol.TransferStarted(ROOM + 5, 0, 0), None)
+
+    run(body)
+
+
+def test_progress_is_reported_lazily_and_an_ending_promptly_in_one_message():
+    async def body(service):
+        sent = []
+        service._report_endpoint = "tcp://bootstrap"
+        service.send = lambda endpoint, frames: sent.append(protocol.decode(frames)[0]) or True
+        loop = asyncio.get_running_loop()
+        assign(service)
+        service.handle(protocol.TransferAccepted(ROOM, 0, 0), None)
+        service.handle(protocol.TransferStarted(ROOM, 0, 0), None)
+        assert service._report_timer.when() - loop.time() > PROGRESS_REPORT_DELAY_S / 2
+        done(service)  # the room ended: its report is due at once, progress and all
+        assert service._report_timer.when() - loop.time() <= REPORT_DELAY_S
+        await asyncio.sleep(REPORT_DELAY_S * 5)
+        reports = [m for m in sent if isinstance(m, protocol.RoomReports)]
+        assert [s.state for s in reports[0].statuses] == [RoomState.SUCCESS]
+        assert list(reports[0].statuses[0].timestamps) == [
+            "BOOTSTRAPPING",
+            "WAITING_FOR_INPUT",
+            "TRANSFERRING",
+            "SUCCESS",
+        ]
 
     run(body)
