@@ -180,8 +180,8 @@ def test_progress_is_reported_lazily_and_an_ending_promptly_in_one_message():
         assert service._report_timer.when() - loop.time() <= REPORT_DELAY_S
         await asyncio.sleep(REPORT_DELAY_S * 5)
         reports = [m for m in sent if isinstance(m, protocol.RoomReports)]
-        assert [s.state for s in reports[0].statuses] == [RoomState.SUCCESS]
-        assert list(reports[0].statuses[0].timestamps) == [
+        assert [s.state for s in reports[0].reports] == [RoomState.SUCCESS]
+        assert list(reports[0].reports[0].timestamps) == [
             "BOOTSTRAPPING",
             "WAITING_FOR_INPUT",
             "TRANSFERRING",
