@@ -50,9 +50,12 @@ class RawPair:
         self._sender = ctx.Process(target=_sender, args=(nbytes, peer, child), daemon=True)
         self._sender.start()
         self.pids = [self._receiver.pid, self._sender.pid]
+        self.nbytes = nbytes
 
     def write(self, total: int, entries: int = 1) -> float:
         """Seconds for one batch_transfer_sync_write of ``total`` bytes in ``entries`` pieces."""
+        if total > self.nbytes:
+            raise ValueError(f"{total} bytes do not fit the {self.nbytes} registered")
         self._send_conn.send((total, entries))
         seconds: float = self._send_conn.recv()
         return seconds

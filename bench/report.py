@@ -19,21 +19,24 @@ def write_report(results: dict[str, Any], out: Path) -> None:
     m = results["machine"]
     parts = [
         f"Machine: {m['cpus']} CPUs, {m['platform']}, Python {m['python']}, {m['transport']}; "
-        f"median (and best) of {results['runs']} interleaved runs.\n"
+        f"median (and best) of {results['runs']} runs, kvroom and the raw engine interleaved A B B A.\n"
     ]
     parts.append(
         "**Transfer efficiency** (decode's transfer request to SUCCESS, against the raw engine "
-        "writing the same bytes in the same number of writes)\n"
+        "writing the same bytes in the same number of writes; rooms move whole pages, so a room "
+        "smaller than a page moves the page; GB/s counts the bytes moved)\n"
     )
     parts.append(
         _table(
             [
                 "KV per room",
                 "page",
+                "moved",
                 "writes",
                 "kvroom GB/s",
                 "raw GB/s",
                 "kvroom / raw",
+                "kvroom adds",
                 "best kvroom",
                 "best raw",
                 "best / best",
@@ -42,10 +45,12 @@ def write_report(results: dict[str, Any], out: Path) -> None:
                 [
                     f"{r['kv_mib']} MiB",
                     f"{r['page_kib']} KiB",
+                    f"{r['moved_mib']:g} MiB",
                     r["engine_writes"],
                     f"{r['kvroom_gbps']:.2f}",
                     f"{r['raw_gbps']:.2f}",
                     f"{r['ratio']:.3f}",
+                    f"{r['added_ms']:.2f} ms",
                     f"{r['kvroom_best_gbps']:.2f}",
                     f"{r['raw_best_gbps']:.2f}",
                     f"{r['best_ratio']:.3f}",

@@ -213,6 +213,7 @@ class PrefillService(NodeService):
             self._release(job)
             return
         job.timings["transfer_s"] = outcome.seconds
+        job.timings["bytes_written"] = outcome.written
         self.metrics.transfer_bytes.inc(outcome.written)
         self.metrics.transfer_seconds.observe(outcome.seconds)
         if outcome.sent and not job.state.terminal:
