@@ -16,7 +16,8 @@ from shared.model import ModelConfig, encode_text
 from shared.states import RoomState
 
 
-def get_cluster(request: Request) -> Cluster:
+async def get_cluster(request: Request) -> Cluster:
+    """A coroutine: FastAPI would run a plain function in a thread pool, per request."""
     cluster: Cluster = request.app.state.cluster
     return cluster
 

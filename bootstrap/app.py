@@ -10,6 +10,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from bootstrap import api, status_page
 from bootstrap.cluster import Cluster
 from bootstrap.settings import BootstrapSettings
+from shared.metrics import NO_OPENTELEMETRY
 
 
 class BodyLimit:
@@ -89,6 +90,7 @@ def create_app(settings: BootstrapSettings) -> FastAPI:
         title="kvroom bootstrap",
         description="Registers prefill and decode nodes and hands out rooms.",
         lifespan=lifespan,
+        telemetry=NO_OPENTELEMETRY,
     )
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     app.include_router(api.nodes)

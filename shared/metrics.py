@@ -2,12 +2,17 @@
 
 from collections.abc import Callable
 
+from fastapi.telemetry import TelemetryConfig
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from shared.states import RoomState
 
-__all__ = ["CONTENT_TYPE_LATEST", "ServiceMetrics"]
+__all__ = ["CONTENT_TYPE_LATEST", "NO_OPENTELEMETRY", "ServiceMetrics"]
+
+# The services export Prometheus metrics. FastAPI's own OpenTelemetry hooks would
+# look up the global providers on every request, which costs more than the request.
+NO_OPENTELEMETRY: TelemetryConfig = {"tracing": False, "metrics": False, "logs": False}
 
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5)
 

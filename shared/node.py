@@ -22,7 +22,7 @@ from fastapi import FastAPI, HTTPException, Response
 from shared import protocol
 from shared.errors import ProtocolError, RegistrationError, RejectedMessage
 from shared.kv_pool import KVPool
-from shared.metrics import CONTENT_TYPE_LATEST, ServiceMetrics
+from shared.metrics import CONTENT_TYPE_LATEST, NO_OPENTELEMETRY, ServiceMetrics
 from shared.model import ModelConfig, ReferenceModel
 from shared.room import Room, RoomTable
 from shared.settings import NodeSettings
@@ -253,7 +253,7 @@ class NodeService(abc.ABC):
     # -- HTTP ---------------------------------------------------------------------
 
     def http_app(self) -> FastAPI:
-        app = FastAPI(title=f"kvroom {self.role} node")
+        app = FastAPI(title=f"kvroom {self.role} node", telemetry=NO_OPENTELEMETRY)
 
         @app.get("/health")
         async def health() -> dict[str, Any]:
