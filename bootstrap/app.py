@@ -10,6 +10,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from bootstrap import api, status_page
 from bootstrap.cluster import Cluster
 from bootstrap.settings import BootstrapSettings
+from shared.heap import freeze_startup_heap
 from shared.metrics import NO_OPENTELEMETRY
 
 
@@ -78,6 +79,7 @@ def create_app(settings: BootstrapSettings) -> FastAPI:
             asyncio.create_task(cluster.watch_nodes()),
         ]
         await ready.wait()
+        freeze_startup_heap()
         try:
             yield
         finally:

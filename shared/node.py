@@ -21,6 +21,7 @@ from fastapi import FastAPI, HTTPException, Response
 
 from shared import protocol
 from shared.errors import ProtocolError, RegistrationError, RejectedMessage
+from shared.heap import freeze_startup_heap
 from shared.kv_pool import KVPool
 from shared.metrics import CONTENT_TYPE_LATEST, NO_OPENTELEMETRY, ServiceMetrics
 from shared.model import ModelConfig, ReferenceModel
@@ -290,6 +291,7 @@ class NodeService(abc.ABC):
             self.http_app(), host=s.host, port=s.http_port, log_config=None, lifespan="off"
         )
         server = _EmbeddedServer(config)
+        freeze_startup_heap()
         log.info(
             "%s node %s serving http=%s zmq=%s engine=%s",
             self.role,
