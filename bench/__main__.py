@@ -78,7 +78,7 @@ class Bench:
     def __init__(self, quick: bool, workdir: Path):
         self.quick = quick
         self.workdir = workdir
-        self.runs = 1 if quick else 25
+        self.runs = 1 if quick else 51
         # Aux latency samples by load: rooms one at a time, and at each in-flight level.
         self.aux_latencies: dict[str, list[float]] = {}
 
@@ -90,13 +90,15 @@ class Bench:
         return stack, p, d
 
     def room(self, client: httpx.Client, tokens: int) -> dict[str, Any]:
-        created = client.post("/rooms", json={"input_ids": [65] * tokens, "max_new_tokens": 1})
+        # One request that answers when the room finished: no client traffic during the transfer.
+        created = client.post(
+            "/rooms", params={"wait": 30}, json={"input_ids": [65] * tokens, "max_new_tokens": 1}
+        )
         created.raise_for_status()
-        room = created.json()["room"]
-        while True:
-            body: dict[str, Any] = client.get(f"/rooms/{room}", params={"wait": 30}).json()
-            if body["finished"]:
-                break
+        body: dict[str, Any] = created.json()
+        while not body["finished"]:
+            body = client.get(f"/rooms/{body['room']}", params={"wait": 30}).json()
+        room = body["room"]
         if body["state"] != "SUCCESS" or body["timings"].get("kv_verified") != 1.0:
             raise RuntimeError(f"room {room} did not deliver intact KV: {body}")
         for _ in range(100):  # the prefill's own report (its writes) may trail the decode's
@@ -171,8 +173,14 @@ class Bench:
             stack.stop()
         return rows
 
-    def control_plane(self, levels: list[int], rooms_per_level: int) -> tuple[list[dict[str, Any]], dict]:
-        """Rooms per second through POST /rooms with 64 KiB of KV, and resident memory."""
+    def control_plane(
+        self, levels: list[int], rooms_per_level: int, blocks: int, block_rooms: int
+    ) -> tuple[list[dict[str, Any]], dict, list[dict[str, Any]]]:
+        """Rooms per second through POST /rooms with 64 KiB of KV, and resident memory.
+
+        Then ``blocks`` blocks of ``block_rooms`` rooms at the highest level, one
+        after another: whether a room costs more once many rooms were served.
+        """
         stack, p, d = self.stack("control", node_args(SMALL, 16, 64 * MIB), node_args(SMALL, 16, 64 * MIB))
         pids = {"bootstrap": stack.bootstrap, "prefill": p, "decode": d}
         memory: dict[str, dict[str, float]] = {
@@ -205,11 +213,30 @@ class Bench:
                         "p99_ms": percentile(latencies, 0.99) * 1000,
                     }
                 )
+            sustained = []
+            served = sum(r["rooms"] for r in rows)
+            for _ in range(blocks):
+                seconds, latencies = asyncio.run(
+                    self._drive(stack.bootstrap.url, max(levels), block_rooms, record_aux=False)
+                )
+                sustained.append(
+                    {
+                        "served_before": served,
+                        "rooms": block_rooms,
+                        "rooms_per_s": block_rooms / seconds,
+                        "p50_ms": percentile(latencies, 0.5) * 1000,
+                        "p99_ms": percentile(latencies, 0.99) * 1000,
+                        "rss_mib": {n: rss_mib(s.proc.pid) for n, s in pids.items() if s.proc},
+                    }
+                )
+                served += block_rooms
         finally:
             stack.stop()
-        return rows, memory
+        return rows, memory, sustained
 
-    async def _drive(self, url: str, in_flight: int, count: int) -> tuple[float, list[float]]:
+    async def _drive(
+        self, url: str, in_flight: int, count: int, record_aux: bool = True
+    ) -> tuple[float, list[float]]:
         """``count`` rooms through POST /rooms, ``in_flight`` at a time; wall seconds and latencies."""
         latencies: list[float] = []
         todo = iter(range(count))
@@ -230,7 +257,10 @@ class Bench:
                     latencies.append(time.perf_counter() - started)
                     if body["state"] != "SUCCESS":
                         raise RuntimeError(f"room {room['room']} ended {body['state']}: {body['reason']}")
-                    self.aux_latencies.setdefault(str(in_flight), []).append(body["timings"]["aux_latency_s"])
+                    if record_aux:
+                        self.aux_latencies.setdefault(str(in_flight), []).append(
+                            body["timings"]["aux_latency_s"]
+                        )
             finally:
                 await conn.close()
 
@@ -269,7 +299,11 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             raw.close()
         print("control plane", flush=True)
-        control, memory = bench.control_plane([1, 8] if args.quick else [1, 8, 64], 16 if args.quick else 512)
+        control, memory, sustained = (
+            bench.control_plane([1, 8], 16, blocks=2, block_rooms=16)
+            if args.quick
+            else bench.control_plane([1, 8, 64], 512, blocks=12, block_rooms=1024)
+        )
     results = {
         "machine": {
             "cpus": len(__import__("os").sched_getaffinity(0)),
@@ -284,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         "page_sweep": sweep,
         "scatter": scatter,
         "control_plane": control,
+        "sustained": sustained,
         "aux_latency_ms": [
             {
                 "in_flight": int(level),

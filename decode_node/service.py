@@ -130,10 +130,10 @@ class DecodeService(NodeService):
                 aux_slot=job.aux_slot,
                 aux_endpoint=self.settings.public_zmq_endpoint(self.rank),
             )
+            job.requested_at = time.perf_counter()
             if not self.send(peer.zmq_endpoint, protocol.encode(request)):
                 self._fail(job, FailureReason.PEER_LOST)
                 return
-            job.requested_at = time.perf_counter()
             job.unaccepted.add(peer.rank)
             job.pending.add(peer.rank)
             job.leased.add(peer.rank)
