@@ -72,7 +72,8 @@ class NodeService(abc.ABC):
         self._push = PushSockets(self.zmq)
         self._report_endpoint: str | None = None
         self._pending_reports: dict[int, Room] = {}
-        self._report_timer: asyncio.TimerHandle | None = None
+        self._report_due = float("inf")  # loop time of the next flush; inf when none is set
+        self._report_timer: asyncio.Handle | None = None
         self.token: str | None = None  # from the bootstrap, at registration
         self._tasks: set[asyncio.Task[Any]] = set()
         self._stop = asyncio.Event()
@@ -137,13 +138,15 @@ class NodeService(abc.ABC):
         """
         self._pending_reports[room.id] = room
         due = self.loop.time() + (REPORT_DELAY_S if room.state.terminal else PROGRESS_REPORT_DELAY_S)
+        if self._report_due <= due:
+            return
         if self._report_timer is not None:
-            if self._report_timer.when() <= due:
-                return
             self._report_timer.cancel()
+        self._report_due = due
         self._report_timer = self.loop.call_at(due, self._flush_reports)
 
     def _flush_reports(self) -> None:
+        self._report_due = float("inf")
         self._report_timer = None
         rooms = list(self._pending_reports.values())
         self._pending_reports.clear()
