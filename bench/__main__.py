@@ -4,7 +4,7 @@
 
 Runs real services on 127.0.0.1 over TCP in synthetic-KV mode (pages stamped,
 not computed; checked on the decode side after SUCCESS, outside the timing).
-Every kvroom measurement is interleaved with its raw-engine twin, A B A B, and
+Every kvroom measurement is interleaved with its raw-engine twin, A B B A, and
 the median of the runs is reported. Nothing here asserts a timing.
 """
 
