@@ -14,9 +14,7 @@ from shared.errors import AuxValidationError, PoolExhausted
 # room id (int64), first output token (int32), cached-token count (int32),
 # logprob of the first token (float32)
 AUX_RECORD = struct.Struct("<qiif")
-
-
-_ZERO_RECORD = bytes(AUX_RECORD.size)
+_ZERO_RECORD = bytes(AUX_RECORD.size)  # what a freed slot holds
 
 
 @dataclass(frozen=True)
