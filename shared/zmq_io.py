@@ -86,18 +86,25 @@ async def receive_forever(sock: zmq.Socket, on_message: Callable[[list[bytes]], 
     The socket's descriptor is watched by the loop and drained with
     non-blocking receives: a third of the cost per message of zmq.asyncio,
     which makes a future for each. ZMQ signals the descriptor on edges only,
-    so every wake-up drains the socket until it is empty.
+    so every wake-up drains the socket until it is empty, and a handler that
+    raises is logged rather than allowed to end the drain: messages left
+    behind would wait for the next one to arrive.
     """
     loop = asyncio.get_running_loop()
     fd = sock.fileno()
 
     def drain() -> None:
+        if sock.closed:  # a drain scheduled before shutdown
+            return
         for _ in range(RECEIVE_BATCH):
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            on_message(frames)
+            try:
+                on_message(frames)
+            except Exception:
+                log.exception("message handler failed; receiving goes on")
         loop.call_soon(drain)  # more may wait: continue after the loop's other work
 
     loop.add_reader(fd, drain)

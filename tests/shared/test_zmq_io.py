@@ -1,4 +1,5 @@
 import asyncio
+import logging
 
 import zmq
 
@@ -69,3 +70,38 @@ def test_a_burst_is_received_whole_and_in_order_without_starving_the_loop():
             ctx.term()
 
     asyncio.run(run())
+
+
+def test_a_handler_that_raises_is_logged_and_loses_no_later_message(caplog):
+    async def run():
+        ctx = zmq.Context()
+        endpoint = "inproc://raising"
+        pull = bind_pull(ctx, endpoint)
+        push = PushSockets(ctx)
+        for i in range(5):
+            assert push.send(endpoint, [str(i).encode()])
+        received: list[int] = []
+
+        def handler(frames: list[bytes]) -> None:
+            received.append(int(frames[0]))
+            if len(received) == 2:
+                raise RuntimeError("a handler bug")
+
+        receiver = asyncio.create_task(receive_forever(pull, handler))
+        try:
+            for _ in range(500):
+                if len(received) == 5:
+                    break
+                await asyncio.sleep(0.01)
+            assert received == [0, 1, 2, 3, 4]
+        finally:
+            receiver.cancel()
+            push.close()
+            pull.close(0)
+            ctx.term()
+
+    with caplog.at_level(logging.ERROR, logger="shared.zmq_io"):
+        asyncio.run(run())
+    assert [r.getMessage() for r in caplog.records if r.name == "shared.zmq_io"] == [
+        "message handler failed; receiving goes on"
+    ]
