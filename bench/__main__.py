@@ -74,6 +74,15 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
+def latency_row(rooms: int, seconds: float, latencies: list[float]) -> dict[str, float]:
+    return {
+        "rooms": rooms,
+        "rooms_per_s": rooms / seconds,
+        "p50_ms": percentile(latencies, 0.5) * 1000,
+        "p99_ms": percentile(latencies, 0.99) * 1000,
+    }
+
+
 class Bench:
     def __init__(self, quick: bool, workdir: Path):
         self.quick = quick
@@ -207,15 +216,7 @@ class Bench:
                 seconds, latencies = asyncio.run(self._drive(stack.bootstrap.url, in_flight, count))
                 sampling.set()
                 sampler.join()
-                rows.append(
-                    {
-                        "in_flight": in_flight,
-                        "rooms": count,
-                        "rooms_per_s": count / seconds,
-                        "p50_ms": percentile(latencies, 0.5) * 1000,
-                        "p99_ms": percentile(latencies, 0.99) * 1000,
-                    }
-                )
+                rows.append({"in_flight": in_flight, **latency_row(count, seconds, latencies)})
             sustained = []
             served = sum(r["rooms"] for r in rows)
             for _ in range(blocks):
@@ -225,10 +226,7 @@ class Bench:
                 sustained.append(
                     {
                         "served_before": served,
-                        "rooms": block_rooms,
-                        "rooms_per_s": block_rooms / seconds,
-                        "p50_ms": percentile(latencies, 0.5) * 1000,
-                        "p99_ms": percentile(latencies, 0.99) * 1000,
+                        **latency_row(block_rooms, seconds, latencies),
                         "rss_mib": {n: rss_mib(s.proc.pid) for n, s in pids.items() if s.proc},
                     }
                 )

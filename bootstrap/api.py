@@ -82,9 +82,12 @@ def room_response(record: RoomRecord, status: int = 200) -> Response:
     return Response(msgspec.json.encode(record.view()), status, media_type="application/json")
 
 
-async def wait_finished(cluster: Cluster, record: RoomRecord, wait: float) -> None:
+def check_wait(cluster: Cluster, wait: float) -> None:
     if wait > cluster.settings.max_wait_s:
         raise HTTPException(422, f"wait above {cluster.settings.max_wait_s}s")
+
+
+async def wait_finished(record: RoomRecord, wait: float) -> None:
     if wait and not record.finished.is_set():
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(record.finished.wait(), wait)
@@ -93,9 +96,8 @@ async def wait_finished(cluster: Cluster, record: RoomRecord, wait: float) -> No
 @rooms.post("/rooms", status_code=201, response_class=Response)
 async def create_room(body: RoomRequest, cluster: ClusterDep, wait: WaitQuery = 0) -> Response:
     """Create a room; with ``?wait=`` answer once it finished or the wait ran out."""
+    check_wait(cluster, wait)  # before the room is placed
     s = cluster.settings
-    if wait > s.max_wait_s:
-        raise HTTPException(422, f"wait above {s.max_wait_s}s")
     tokens = body.tokens()
     if len(tokens) > s.max_prompt_tokens:
         raise HTTPException(422, f"prompt of {len(tokens)} tokens exceeds the cap of {s.max_prompt_tokens}")
@@ -105,7 +107,7 @@ async def create_room(body: RoomRequest, cluster: ClusterDep, wait: WaitQuery = 
         record = cluster.place(tokens, body.max_new_tokens)
     except NoLiveNode as exc:
         raise HTTPException(503, str(exc)) from exc
-    await wait_finished(cluster, record, wait)
+    await wait_finished(record, wait)
     return room_response(record, 201)
 
 
@@ -119,8 +121,9 @@ def _record(cluster: Cluster, room: int) -> RoomRecord:
 @rooms.get("/rooms/{room}", response_class=Response)
 async def get_room(room: int, cluster: ClusterDep, wait: WaitQuery = 0) -> Response:
     """The room; with ``?wait=`` answer once it finished or the wait ran out."""
+    check_wait(cluster, wait)
     record = _record(cluster, room)
-    await wait_finished(cluster, record, wait)
+    await wait_finished(record, wait)
     return room_response(record)
 
 

@@ -13,7 +13,7 @@ from shared import protocol
 from shared.errors import ProtocolError
 from shared.metrics import ServiceMetrics
 from shared.states import FailureReason, RoomState
-from shared.zmq_io import PushSockets, bind_pull, receive_forever
+from shared.zmq_io import PushSockets, bind_pull, dispatcher, receive_forever
 
 log = logging.getLogger(__name__)
 
@@ -152,23 +152,14 @@ class Cluster:
         sock = bind_pull(self.zmq, self.settings.bind_zmq_endpoint())
         ready.set()
         try:
-            await receive_forever(sock, self._on_report)
+            await receive_forever(sock, dispatcher(self._on_message, self.metrics))
         finally:
             sock.close(0)
 
-    def _on_report(self, buffers: list[bytes]) -> None:
-        self.metrics.received.inc()
-        try:
-            msg, _ = protocol.decode(buffers)
-            if not isinstance(msg, protocol.RoomReports):
-                raise ProtocolError(f"the bootstrap does not take {type(msg).__name__}")
-            self.on_reports(msg)
-        except ProtocolError as exc:
-            self.metrics.rejected.labels(exc.kind).inc()
-            log.warning("room=%s dropped report (%s): %s", protocol.peek_room(buffers), exc.kind, exc)
-        except Exception:
-            self.metrics.rejected.labels("internal").inc()
-            log.exception("report handler failed; the bootstrap keeps serving")
+    def _on_message(self, msg: protocol.Message, aux: memoryview | None) -> None:
+        if not isinstance(msg, protocol.RoomReports):
+            raise ProtocolError(f"the bootstrap does not take {type(msg).__name__}")
+        self.on_reports(msg)
 
     async def watch_nodes(self) -> None:
         while True:

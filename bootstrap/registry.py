@@ -50,14 +50,12 @@ class Node:
         self.alive = True
         self.rooms: set[int] = set()  # rooms in flight placed here
         self.free_pages = reg.num_pages
+        # Built once: every room placed here is sent to them.
+        self.peers = [protocol.PeerRank(r.rank, r.session_id, r.zmq_endpoint) for r in reg.ranks]
 
     @property
     def id(self) -> str:
         return self.reg.node_id
-
-    @property
-    def peers(self) -> list[protocol.PeerRank]:
-        return [protocol.PeerRank(r.rank, r.session_id, r.zmq_endpoint) for r in self.reg.ranks]
 
     def view(self) -> dict[str, object]:
         return {

@@ -20,7 +20,7 @@ import zmq
 from fastapi import FastAPI, HTTPException, Response
 
 from shared import protocol
-from shared.errors import ProtocolError, RegistrationError, RejectedMessage
+from shared.errors import RegistrationError, RejectedMessage
 from shared.heap import freeze_startup_heap
 from shared.kv_pool import KVPool
 from shared.metrics import CONTENT_TYPE_LATEST, NO_OPENTELEMETRY, ServiceMetrics
@@ -29,7 +29,7 @@ from shared.room import Room, RoomTable
 from shared.settings import NodeSettings
 from shared.states import RoomState
 from shared.transfer import MooncakeEngine, TransferEngine
-from shared.zmq_io import PushSockets, bind_pull, receive_forever
+from shared.zmq_io import PushSockets, bind_pull, dispatcher, receive_forever
 
 log = logging.getLogger(__name__)
 
@@ -183,19 +183,6 @@ class NodeService(abc.ABC):
         if not task.cancelled() and task.exception() is not None:
             log.error("task failed", exc_info=task.exception())
 
-    def _on_message(self, buffers: list[bytes]) -> None:
-        self.metrics.received.inc()
-        try:
-            msg, aux = protocol.decode(buffers)
-            self.handle(msg, aux)
-        except ProtocolError as exc:
-            room = getattr(exc, "room", None) or protocol.peek_room(buffers)
-            self.metrics.rejected.labels(exc.kind).inc()
-            log.warning("room=%s dropped message (%s): %s", room, exc.kind, exc, extra={"room": room})
-        except Exception:
-            self.metrics.rejected.labels("internal").inc()
-            log.exception("message handler failed; the node keeps serving")
-
     # -- bootstrap ----------------------------------------------------------------
 
     def registration(self) -> dict[str, Any]:
@@ -307,7 +294,7 @@ class NodeService(abc.ABC):
             async with asyncio.TaskGroup() as tg:
                 http = tg.create_task(server.serve())
                 loops = [
-                    tg.create_task(receive_forever(pull, self._on_message)),
+                    tg.create_task(receive_forever(pull, dispatcher(self.handle, self.metrics))),
                     tg.create_task(self._keep_registered()),
                     tg.create_task(self.background()),
                 ]

@@ -12,6 +12,10 @@ from collections.abc import Callable
 
 import zmq
 
+from shared import protocol
+from shared.errors import ProtocolError
+from shared.metrics import ServiceMetrics
+
 log = logging.getLogger(__name__)
 
 # A frame past this is dropped by ZMQ itself, before Python sees it.
@@ -113,3 +117,28 @@ async def receive_forever(sock: zmq.Socket, on_message: Callable[[list[bytes]], 
         await loop.create_future()  # until cancelled
     finally:
         loop.remove_reader(fd)
+
+
+def dispatcher(
+    handle: Callable[[protocol.Message, memoryview | None], None], metrics: ServiceMetrics
+) -> Callable[[list[bytes]], None]:
+    """An ``on_message`` for receive_forever: decode each message and hand it to ``handle``.
+
+    A message that does not decode, or that ``handle`` refuses with a
+    ProtocolError, is counted by kind and logged with its room, then dropped.
+    """
+
+    def on_message(buffers: list[bytes]) -> None:
+        metrics.received.inc()
+        try:
+            msg, aux = protocol.decode(buffers)
+            handle(msg, aux)
+        except ProtocolError as exc:
+            room = getattr(exc, "room", None) or protocol.peek_room(buffers)
+            metrics.rejected.labels(exc.kind).inc()
+            log.warning("room=%s dropped message (%s): %s", room, exc.kind, exc, extra={"room": room})
+        except Exception:
+            metrics.rejected.labels("internal").inc()
+            log.exception("message handler failed; the service keeps serving")
+
+    return on_message

@@ -9,6 +9,17 @@ from tests.integration.helpers import metric, node_room, pools_full, wait_for
 from tests.integration.holding_proxy import in_front_of
 
 
+def room_through_proxy(client, proxy, model, prompt: str, max_new_tokens: int) -> dict:
+    """A new room whose held message is let through ends SUCCESS with the colocated run's tokens."""
+    room = client.post("/rooms", json={"prompt": prompt, "max_new_tokens": max_new_tokens}).json()
+    wait_for(lambda: proxy.held_rooms() == {room["room"]}, 20, "the new room's held message")
+    proxy.release()
+    final = client.get(f"/rooms/{room['room']}", params={"wait": 20}).json()
+    assert final["state"] == "SUCCESS"
+    assert final["output_ids"] == generate(model, encode_text(prompt), max_new_tokens)
+    return room
+
+
 def test_prefill_killed_mid_transfer(fast_stack, model):
     stack = fast_stack
     stack.bootstrap.start()
@@ -50,13 +61,8 @@ def test_prefill_killed_mid_transfer(fast_stack, model):
 
             # A new prefill registers and new rooms succeed.
             stack.node("prefill", "prefill-1", FAST_NODE).start().wait_healthy()
-            room = client.post("/rooms", json={"prompt": "survivor", "max_new_tokens": 6}).json()
+            room = room_through_proxy(client, proxy, model, "survivor", 6)
             assert room["prefill"]["node_id"] == "prefill-1"
-            wait_for(lambda: proxy.held_rooms() == {room["room"]}, 20, "the new room's done+aux")
-            proxy.release()
-            final = client.get(f"/rooms/{room['room']}", params={"wait": 20}).json()
-            assert final["state"] == "SUCCESS"
-            assert final["output_ids"] == generate(model, encode_text("survivor"), 6)
 
 
 def test_decode_killed_prefill_frees_and_serves_others(fast_stack, model):
@@ -100,13 +106,8 @@ def test_decode_killed_prefill_frees_and_serves_others(fast_stack, model):
 
             nodes = {n["node_id"]: n["alive"] for n in client.get("/nodes").json()}
             assert nodes == {"prefill-0": True, "decode-a": False, "decode-b": True}
-            room = client.post("/rooms", json={"prompt": "next", "max_new_tokens": 5}).json()
+            room = room_through_proxy(client, proxy, model, "next", 5)
             assert room["decode"]["node_id"] == "decode-b"
-            wait_for(lambda: proxy.held_rooms() == {room["room"]}, 20, "the new request")
-            proxy.release()
-            final = client.get(f"/rooms/{room['room']}", params={"wait": 20}).json()
-            assert final["state"] == "SUCCESS"
-            assert final["output_ids"] == generate(model, encode_text("next"), 5)
             wait_for(lambda: pools_full(prefill, survivor), 10, "pools full")
 
 
