@@ -1,4 +1,4 @@
-"""500 rooms, 32 in flight, 10% of them aborted at random moments."""
+"""500 rooms, 32 in flight, 10% of them aborted: half at once, half at random moments."""
 
 import asyncio
 import random
@@ -27,7 +27,9 @@ async def run_soak(base_url: str, prompts: list[str], abort: set[int], seed: int
                 room = resp.json()["room"]
                 aborted = False
                 if i in abort:
-                    await asyncio.sleep(rng.uniform(0, 0.05))
+                    # Half at once, into a long prefill: these land in flight however fast
+                    # rooms are. Half at random moments, some of which find the room done.
+                    await asyncio.sleep(0 if i % 2 else rng.uniform(0, 0.05))
                     status = (await client.delete(f"/rooms/{room}")).status_code
                     assert status in (200, 409)
                     aborted = status == 200
@@ -43,9 +45,11 @@ async def run_soak(base_url: str, prompts: list[str], abort: set[int], seed: int
 def test_soak_with_random_aborts(stack, model):
     prefill, decode = stack.start()
     distinct = [f"soak prompt {k}: " + "abc" * k for k in range(40)]
-    prompts = [distinct[i % len(distinct)] for i in range(ROOMS)]
     rng = random.Random(2026)
     abort = set(rng.sample(range(ROOMS), ROOMS // 10))
+    long_prompt = "soak, aborted at once: " + "xyz" * 400
+    prompts = [long_prompt if i in abort and i % 2 else distinct[i % len(distinct)] for i in range(ROOMS)]
+    distinct.append(long_prompt)
     results = asyncio.run(run_soak(stack.bootstrap.url, prompts, abort, seed=1))
     expected = {p: generate(model, encode_text(p), MAX_NEW_TOKENS) for p in distinct}
     aborted = 0
