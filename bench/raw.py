@@ -28,11 +28,12 @@ def _sender(nbytes: int, peer: tuple[str, int], conn: Connection) -> None:
         job = conn.recv()
         if job is None:
             return
-        total, entries = job
+        total, entries, polled = job
         size = total // entries
         writes = [(src_base + i * size, dst_base + i * size, size) for i in range(entries)]
+        write = engine.write_polled if polled else engine.write_blocking
         started = time.perf_counter()
-        engine.write(session, writes)
+        write(session, writes)
         conn.send(time.perf_counter() - started)
 
 
@@ -52,11 +53,15 @@ class RawPair:
         self.pids = [self._receiver.pid, self._sender.pid]
         self.nbytes = nbytes
 
-    def write(self, total: int, entries: int = 1) -> float:
-        """Seconds for one batch_transfer_sync_write of ``total`` bytes in ``entries`` pieces."""
+    def write(self, total: int, entries: int = 1, polled: bool = False) -> float:
+        """Seconds to write ``total`` bytes in ``entries`` pieces.
+
+        By default with the engine's blocking batch call (batch_transfer_sync_write);
+        ``polled`` submits and polls the way kvroom's nodes do over TCP.
+        """
         if total > self.nbytes:
             raise ValueError(f"{total} bytes do not fit the {self.nbytes} registered")
-        self._send_conn.send((total, entries))
+        self._send_conn.send((total, entries, polled))
         seconds: float = self._send_conn.recv()
         return seconds
 

@@ -1,9 +1,11 @@
 """The transfer engine interface, its Mooncake implementation and a fake for unit tests."""
 
 import abc
+import collections
 import ctypes
 import logging
 import os
+import time
 from collections.abc import Iterable, MutableMapping
 from dataclasses import dataclass
 from typing import Literal
@@ -15,14 +17,32 @@ log = logging.getLogger(__name__)
 Transport = Literal["tcp", "rdma", "nvlink"]
 # One TCP batch of a few thousand entries fails or wedges the peer; stay far below.
 MAX_BATCH_ENTRIES = 512
+# Longer runs are split: over TCP the engine moves the pieces on several connections at once.
+MAX_WRITE_BYTES = 4 << 20
+# Writes submitted and not yet completed, when they are waited on by polling; the engine
+# queues at most 1024 per peer by default.
+MAX_IN_FLIGHT = 256
+# Between two looks at a polled write. The sleep lets the engine's threads, and the
+# event loop waiting for the GIL, have the core.
+POLL_INTERVAL_S = 20e-6
+# A write gives up after this, plus a second per GB, like the engine's own blocking calls.
+WRITE_TIMEOUT_S = 30.0
 
 Write = tuple[int, int, int]  # (source address, destination address, length)
 
 
 def coalesce(
-    src_base: int, src_pages: list[int], dst_base: int, dst_pages: list[int], page_bytes: int
+    src_base: int,
+    src_pages: list[int],
+    dst_base: int,
+    dst_pages: list[int],
+    page_bytes: int,
+    max_bytes: int = MAX_WRITE_BYTES,
 ) -> list[Write]:
-    """One write per run of pages that is consecutive on both sides."""
+    """One write per run of pages that is consecutive on both sides, of at most ``max_bytes``.
+
+    A page larger than ``max_bytes`` is still one write.
+    """
     if len(src_pages) != len(dst_pages):
         raise ValueError("source and destination page lists differ in length")
     writes: list[Write] = []
@@ -32,6 +52,7 @@ def coalesce(
             i == len(src_pages)
             or src_pages[i] != src_pages[i - 1] + 1
             or dst_pages[i] != dst_pages[i - 1] + 1
+            or (i - run_start + 1) * page_bytes > max_bytes
         ):
             n = i - run_start
             writes.append(
@@ -46,6 +67,8 @@ def coalesce(
 
 
 _TRANSPORT_VARIABLES = ("MC_FORCE_TCP", "MC_INTRANODE_NVLINK", "MC_FORCE_MNNVL")
+# What the engine's submit returns when it could not start a write (its ids are addresses).
+_NO_BATCH = frozenset({0, -1, (1 << 64) - 1})
 
 
 @dataclass(frozen=True)
@@ -128,6 +151,11 @@ class MooncakeEngine(TransferEngine):
         if rc != 0:
             raise TransferError(f"engine initialize({hostname}, {transport}) returned {rc}")
         self._session_id = f"{advertise_host or hostname}:{self._engine.get_rpc_port()}"
+        # Over TCP the engine's own threads move the bytes, and its blocking calls spin a
+        # core until they are done: on a small host the spinning slows the very threads
+        # it waits for. RDMA and NVLink move bytes in hardware, where spinning notices
+        # completion soonest.
+        self._polled = transport == "tcp"
 
     @property
     def session_id(self) -> str:
@@ -139,6 +167,12 @@ class MooncakeEngine(TransferEngine):
             raise TransferError(f"register_memory({ptr:#x}, {nbytes}) returned {rc}")
 
     def write(self, peer_session: str, writes: Iterable[Write]) -> int:
+        if self._polled:
+            return self.write_polled(peer_session, writes)
+        return self.write_blocking(peer_session, writes)
+
+    def write_blocking(self, peer_session: str, writes: Iterable[Write]) -> int:
+        """The engine's own blocking batch call, which spins until the batch completed."""
         batch = list(writes)
         total = 0
         for start in range(0, len(batch), MAX_BATCH_ENTRIES):
@@ -152,6 +186,44 @@ class MooncakeEngine(TransferEngine):
                 raise TransferError(f"write of {len(chunk)} entries to {peer_session} returned {rc}")
             total += sum(lengths)
         return total
+
+    def write_polled(self, peer_session: str, writes: Iterable[Write]) -> int:
+        """Submit each write on its own and wait for them by polling, asleep in between.
+
+        Writes go one per engine batch because the engine's non-blocking status
+        call looks at the first entry of a batch only. A failure stops further
+        submits, but what was submitted is waited for, so no write is still
+        reading our pages when this returns (unless it timed out, as the
+        engine's blocking calls also give up).
+        """
+        batch = list(writes)
+        total = sum(length for _, _, length in batch)
+        deadline = time.monotonic() + WRITE_TIMEOUT_S + total / 1e9
+        in_flight: collections.deque[int] = collections.deque()
+        error = None
+        for src, dst, length in batch:
+            if len(in_flight) == MAX_IN_FLIGHT:
+                error = self._wait(in_flight.popleft(), deadline)
+                if error is not None:
+                    break
+            batch_id = self._engine.transfer_submit_write(peer_session, src, dst, length)
+            if batch_id in _NO_BATCH:
+                error = "the engine refused the write"
+                break
+            in_flight.append(batch_id)
+        for batch_id in in_flight:
+            error = self._wait(batch_id, deadline) or error
+        if error is not None:
+            raise TransferError(f"write of {len(batch)} entries to {peer_session}: {error}")
+        return total
+
+    def _wait(self, batch_id: int, deadline: float) -> str | None:
+        """None once the write completed, else why not."""
+        while (status := self._engine.transfer_check_status(batch_id)) == 0:
+            if time.monotonic() > deadline:
+                return "timed out"
+            time.sleep(POLL_INTERVAL_S)
+        return None if status == 1 else f"failed with status {status}"
 
 
 class FakeEngine(TransferEngine):
