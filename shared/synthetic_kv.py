@@ -2,18 +2,22 @@
 
 Stamping writes 8 bytes at each end of every page, so preparing a room costs
 next to nothing while the whole page still moves; checking the stamps on the
-decode side proves each page landed whole and in its place.
+decode side proves each page landed whole and in its place. Both run on the
+node's event loop, so a pool in CPU memory is stamped word by word: a few
+tensor operations would cost more than the stamps of a hundred pages.
 """
 
 import torch
 
 from shared.kv_pool import KVPool
 
+# Tests set this to run the device path on a CPU pool.
+_TENSOR_OPS_ON_CPU = False
 
-def _stamps(room: int, count: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    base = (room * 1_000_003) & ((1 << 62) - 1)
-    index = torch.arange(count, dtype=torch.int64, device=device) * 2 + base
-    return index, index + 1
+
+def _first_stamp(room: int) -> int:
+    """Page i of the room gets ``first + 2 i`` at its head and ``first + 2 i + 1`` at its tail."""
+    return (room * 1_000_003) & ((1 << 62) - 1)
 
 
 def _words(pool: KVPool) -> torch.Tensor:
@@ -21,16 +25,45 @@ def _words(pool: KVPool) -> torch.Tensor:
     return pool.data.view(pool.num_pages, -1).view(torch.int64)
 
 
-def fill(pool: KVPool, pages: list[int], room: int) -> None:
-    words = _words(pool)
+def _flat(words: torch.Tensor) -> memoryview:
+    """A CPU pool's words as one flat sequence of Python ints."""
+    return words.numpy().data.cast("B").cast("q")
+
+
+def _ends(pool: KVPool, pages: list[int]) -> list[tuple[int, int]]:
+    """Index of each page's first and last word in the pool's flat words."""
+    per_page = pool.layout.page_bytes // 8
+    return [(page * per_page, (page + 1) * per_page - 1) for page in pages]
+
+
+def _rows_and_heads(words: torch.Tensor, pages: list[int], first: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For a pool on a device: the page rows and their head stamps, as tensors there."""
     rows = torch.tensor(pages, device=words.device)
-    head, tail = _stamps(room, len(pages), words.device)
-    words[rows, 0] = head
-    words[rows, -1] = tail
+    return rows, torch.arange(len(pages), dtype=torch.int64, device=words.device) * 2 + first
+
+
+def fill(pool: KVPool, pages: list[int], room: int) -> None:
+    first = _first_stamp(room)
+    words = _words(pool)
+    if words.is_cpu and not _TENSOR_OPS_ON_CPU:
+        flat = _flat(words)
+        for i, (head, tail) in enumerate(_ends(pool, pages)):
+            flat[head] = first + 2 * i
+            flat[tail] = first + 2 * i + 1
+        return
+    rows, heads = _rows_and_heads(words, pages, first)
+    words[rows, 0] = heads
+    words[rows, -1] = heads + 1
 
 
 def verify(pool: KVPool, pages: list[int], room: int) -> bool:
+    first = _first_stamp(room)
     words = _words(pool)
-    rows = torch.tensor(pages, device=words.device)
-    head, tail = _stamps(room, len(pages), words.device)
-    return bool(torch.equal(words[rows, 0], head) and torch.equal(words[rows, -1], tail))
+    if words.is_cpu and not _TENSOR_OPS_ON_CPU:
+        flat = _flat(words)
+        return all(
+            flat[head] == first + 2 * i and flat[tail] == first + 2 * i + 1
+            for i, (head, tail) in enumerate(_ends(pool, pages))
+        )
+    rows, heads = _rows_and_heads(words, pages, first)
+    return bool(torch.equal(words[rows, 0], heads) and torch.equal(words[rows, -1], heads + 1))
