@@ -39,10 +39,7 @@ def coalesce(
     page_bytes: int,
     max_bytes: int = MAX_WRITE_BYTES,
 ) -> list[Write]:
-    """One write per run of pages that is consecutive on both sides, of at most ``max_bytes``.
-
-    A page larger than ``max_bytes`` is still one write.
-    """
+    """One write per run of pages that is consecutive on both sides, cut into pieces of ``max_bytes``."""
     if len(src_pages) != len(dst_pages):
         raise ValueError("source and destination page lists differ in length")
     writes: list[Write] = []
@@ -52,16 +49,13 @@ def coalesce(
             i == len(src_pages)
             or src_pages[i] != src_pages[i - 1] + 1
             or dst_pages[i] != dst_pages[i - 1] + 1
-            or (i - run_start + 1) * page_bytes > max_bytes
         ):
-            n = i - run_start
-            writes.append(
-                (
-                    src_base + src_pages[run_start] * page_bytes,
-                    dst_base + dst_pages[run_start] * page_bytes,
-                    n * page_bytes,
-                )
-            )
+            src = src_base + src_pages[run_start] * page_bytes
+            dst = dst_base + dst_pages[run_start] * page_bytes
+            length = (i - run_start) * page_bytes
+            writes += [
+                (src + at, dst + at, min(max_bytes, length - at)) for at in range(0, length, max_bytes)
+            ]
             run_start = i
     return writes
 

@@ -77,11 +77,15 @@ def test_fake_engine_moves_bytes_and_refuses_foreign_memory():
         a.write("nobody", [(src.data_ptr(), dst.data_ptr(), 1)])
 
 
-def test_long_runs_are_split_at_the_write_limit():
-    assert coalesce(0, [0, 1, 2, 3, 4], 0, [0, 1, 2, 3, 4], PB, max_bytes=200) == [
-        (0, 0, 200),
-        (200, 200, 200),
-        (400, 400, 100),
+def test_long_runs_are_cut_at_the_write_limit():
+    assert coalesce(0, [0, 1, 2, 3, 4], 1000, [0, 1, 2, 3, 4], PB, max_bytes=200) == [
+        (0, 1000, 200),
+        (200, 1200, 200),
+        (400, 1400, 100),
     ]
-    # A page larger than the limit is still one write, never cut.
-    assert coalesce(0, [0, 1], 0, [0, 1], PB, max_bytes=50) == [(0, 0, 100), (100, 100, 100)]
+    # Pages larger than the limit are cut too: a write is only a byte range.
+    assert coalesce(0, [0, 1], 1000, [5, 6], PB, max_bytes=80) == [
+        (0, 1500, 80),
+        (80, 1580, 80),
+        (160, 1660, 40),
+    ]
