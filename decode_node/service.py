@@ -50,6 +50,9 @@ class DecodeJob(Room):
 class DecodeService(NodeService):
     role = "decode"
     settings: DecodeSettings
+    # A room's done+aux goes before other waiting messages: it ends a room and frees its
+    # pages, and under load it would otherwise wait behind new rooms' messages.
+    urgent = staticmethod(protocol.is_done_aux)
 
     def __init__(self, settings: DecodeSettings, engine: TransferEngine | None = None):
         super().__init__(settings, engine)

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
 import httpx
@@ -116,6 +116,9 @@ class NodeService(abc.ABC):
             raise RejectedMessage(f"rank {rank} is not served here", room=room, kind="bad_rank")
 
     # -- room bookkeeping -------------------------------------------------------
+
+    # Messages handled ahead of others waiting with them; None: arrival order.
+    urgent: Callable[[list[bytes]], bool] | None = None
 
     # States this node tells the bootstrap about; the bootstrap starts every room BOOTSTRAPPING.
     reported_states = frozenset(RoomState) - {RoomState.BOOTSTRAPPING}
@@ -294,7 +297,7 @@ class NodeService(abc.ABC):
             async with asyncio.TaskGroup() as tg:
                 http = tg.create_task(server.serve())
                 loops = [
-                    tg.create_task(receive_forever(pull, dispatcher(self.handle, self.metrics))),
+                    tg.create_task(receive_forever(pull, dispatcher(self.handle, self.metrics), self.urgent)),
                     tg.create_task(self._keep_registered()),
                     tg.create_task(self.background()),
                 ]

@@ -257,6 +257,12 @@ def decode(frames: list[Any]) -> tuple[Message, memoryview | None]:
     return msg, aux
 
 
+def is_done_aux(frames: list[Any]) -> bool:
+    """Whether the header says done+aux; a cheap look that checks nothing else."""
+    header = frames[0]
+    return len(header) == HEADER_BYTES and header[-1] == Kind.DONE_AUX
+
+
 def peek_room(frames: list[Any]) -> int | None:
     """Best-effort room id of a frame that failed to decode, for the log line."""
     try:

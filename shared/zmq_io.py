@@ -84,7 +84,11 @@ def bind_pull(context: zmq.Context, endpoint: str) -> zmq.Socket:
     return sock
 
 
-async def receive_forever(sock: zmq.Socket, on_message: Callable[[list[bytes]], object]) -> None:
+async def receive_forever(
+    sock: zmq.Socket,
+    on_message: Callable[[list[bytes]], object],
+    urgent: Callable[[list[bytes]], bool] | None = None,
+) -> None:
     """Hand each message that reaches ``sock`` to ``on_message`` on the event loop, until cancelled.
 
     The socket's descriptor is watched by the loop and drained with
@@ -92,7 +96,9 @@ async def receive_forever(sock: zmq.Socket, on_message: Callable[[list[bytes]], 
     which makes a future for each. ZMQ signals the descriptor on edges only,
     so every wake-up drains the socket until it is empty, and a handler that
     raises is logged rather than allowed to end the drain: messages left
-    behind would wait for the next one to arrive.
+    behind would wait for the next one to arrive. Of the messages waiting at
+    a wake-up, those ``urgent`` picks are handled first, the rest in arrival
+    order.
     """
     loop = asyncio.get_running_loop()
     fd = sock.fileno()
@@ -100,16 +106,21 @@ async def receive_forever(sock: zmq.Socket, on_message: Callable[[list[bytes]], 
     def drain() -> None:
         if sock.closed:  # a drain scheduled before shutdown
             return
+        batch = []
         for _ in range(RECEIVE_BATCH):
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                batch.append(sock.recv_multipart(zmq.NOBLOCK))
             except zmq.Again:
-                return
+                break
+        if urgent is not None:
+            batch.sort(key=lambda frames: not urgent(frames))  # stable: otherwise arrival order
+        for frames in batch:
             try:
                 on_message(frames)
             except Exception:
                 log.exception("message handler failed; receiving goes on")
-        loop.call_soon(drain)  # more may wait: continue after the loop's other work
+        if len(batch) == RECEIVE_BATCH:
+            loop.call_soon(drain)  # more may wait: continue after the loop's other work
 
     loop.add_reader(fd, drain)
     loop.call_soon(drain)  # messages that arrived before the watch began

@@ -136,3 +136,12 @@ def test_peek_room_for_log_lines():
     assert protocol.peek_room([header(), BODY]) == 5
     assert protocol.peek_room([header(), b"\xc1"]) is None
     assert protocol.peek_room([header()]) is None
+
+
+def test_done_aux_is_told_from_its_header_alone():
+    done = protocol.KvDone(
+        room=5, rank=0, prefill_rank=0, aux_slot=1, pages_written=1, bytes_written=8, completed_at=1.0
+    )
+    assert protocol.is_done_aux(protocol.encode(done, b"aux"))
+    assert not protocol.is_done_aux(protocol.encode(protocol.TransferStarted(room=5, rank=0, prefill_rank=0)))
+    assert not protocol.is_done_aux([b"short"])

@@ -105,3 +105,36 @@ def test_a_handler_that_raises_is_logged_and_loses_no_later_message(caplog):
     assert [r.getMessage() for r in caplog.records if r.name == "shared.zmq_io"] == [
         "message handler failed; receiving goes on"
     ]
+
+
+def test_urgent_messages_go_first_among_those_waiting_and_the_rest_keep_their_order():
+    async def run():
+        ctx = zmq.Context()
+        endpoint = "inproc://urgent"
+        pull = bind_pull(ctx, endpoint)
+        push = PushSockets(ctx)
+        for i in range(10):  # all waiting before the receiver starts
+            assert push.send(endpoint, [str(i).encode()])
+        received: list[int] = []
+        receiver = asyncio.create_task(
+            receive_forever(pull, lambda f: received.append(int(f[0])), urgent=lambda f: int(f[0]) % 3 == 0)
+        )
+        try:
+            for _ in range(500):
+                if len(received) == 10:
+                    break
+                await asyncio.sleep(0.01)
+            assert received == [0, 3, 6, 9, 1, 2, 4, 5, 7, 8]
+            assert push.send(endpoint, [b"10"])  # and the socket is still watched
+            for _ in range(500):
+                if len(received) == 11:
+                    break
+                await asyncio.sleep(0.01)
+            assert received[-1] == 10
+        finally:
+            receiver.cancel()
+            push.close()
+            pull.close(0)
+            ctx.term()
+
+    asyncio.run(run())
