@@ -1,10 +1,11 @@
 """One thread that runs every KV write of a prefill node, and sends each room's done+aux.
 
-The engine busy-polls a core while a write is in flight. Several writers at
-once would take every core from the receiving side and the event loops on the
-same host, so writes run one after another here. Done+aux leaves from this
-thread the moment the write returned, with no event loop between "bytes
-landed" and "decode told".
+Writes run one after another here: several at once would take the cores that
+the engine's own threads, the receiving side and the event loops on the same
+host need (a blocking engine call spins a core; over TCP the wait sleeps
+between polls, but moving the bytes still costs CPU on both sides). Done+aux
+leaves from this thread the moment the write returned, with no event loop
+between "bytes landed" and "decode told".
 """
 
 import dataclasses
