@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from shared.errors import TransferError
-from shared.transfer import FakeEngine, coalesce, engine_setup
+from shared.transfer import MAX_IN_FLIGHT, FakeEngine, MooncakeEngine, coalesce, engine_setup
 
 PB = 100
 
@@ -89,3 +89,55 @@ def test_long_runs_are_cut_at_the_write_limit():
         (80, 1580, 80),
         (160, 1660, 40),
     ]
+
+
+class ScriptedBinding:
+    """Stands in for the engine's Python binding on the polled path: each write is
+    pending at its first look and then completes, or fails if it is ``fail_at``."""
+
+    def __init__(self, fail_at: int | None = None, refuse_at: int | None = None):
+        self.fail_at, self.refuse_at = fail_at, refuse_at
+        self.submitted: list[int] = []
+        self.finished: set[int] = set()
+        self.looks: dict[int, int] = {}
+        self.most_in_flight = 0
+
+    def transfer_submit_write(self, peer: str, src: int, dst: int, length: int) -> int:
+        if len(self.submitted) == self.refuse_at:
+            return 0
+        batch_id = 1000 + len(self.submitted)
+        self.submitted.append(batch_id)
+        self.most_in_flight = max(self.most_in_flight, len(self.submitted) - len(self.finished))
+        return batch_id
+
+    def transfer_check_status(self, batch_id: int) -> int:
+        self.looks[batch_id] = self.looks.get(batch_id, 0) + 1
+        if self.looks[batch_id] == 1:
+            return 0
+        self.finished.add(batch_id)
+        return -1 if batch_id - 1000 == self.fail_at else 1
+
+
+def polled_engine(binding: ScriptedBinding) -> MooncakeEngine:
+    engine = MooncakeEngine.__new__(MooncakeEngine)  # no real engine: the binding is scripted
+    engine._engine = binding
+    engine._polled = True
+    return engine
+
+
+def test_polled_writes_keep_a_bounded_number_in_flight():
+    binding = ScriptedBinding()
+    count = 2 * MAX_IN_FLIGHT + 7
+    assert polled_engine(binding).write("peer", [(0, 0, 10)] * count) == 10 * count
+    assert len(binding.submitted) == count
+    assert binding.most_in_flight == MAX_IN_FLIGHT
+    assert binding.finished == set(binding.submitted)
+
+
+@pytest.mark.parametrize("script", [{"fail_at": 3}, {"refuse_at": 5}])
+def test_a_failed_write_raises_only_once_nothing_submitted_is_still_moving(script):
+    binding = ScriptedBinding(**script)
+    with pytest.raises(TransferError):
+        polled_engine(binding).write("peer", [(0, 0, 10)] * 10)
+    assert binding.submitted  # some writes went out before the failure
+    assert binding.finished == set(binding.submitted)
