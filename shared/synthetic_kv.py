@@ -7,12 +7,16 @@ node's event loop, so a pool in CPU memory is stamped word by word: a few
 tensor operations would cost more than the stamps of a hundred pages.
 """
 
+import weakref
+
 import torch
 
 from shared.kv_pool import KVPool
 
 # Tests set this to run the device path on a CPU pool.
 _TENSOR_OPS_ON_CPU = False
+# Viewing the pool's tensor costs more than stamping a room's pages: views are kept.
+_FLAT_WORDS: "weakref.WeakKeyDictionary[KVPool, memoryview]" = weakref.WeakKeyDictionary()
 
 
 def _first_stamp(room: int) -> int:
@@ -25,9 +29,12 @@ def _words(pool: KVPool) -> torch.Tensor:
     return pool.data.view(pool.num_pages, -1).view(torch.int64)
 
 
-def _flat(words: torch.Tensor) -> memoryview:
-    """A CPU pool's words as one flat sequence of Python ints."""
-    return words.numpy().data.cast("B").cast("q")
+def _flat(pool: KVPool) -> memoryview:
+    """A CPU pool's words as one flat sequence of Python ints, made once per pool."""
+    flat = _FLAT_WORDS.get(pool)
+    if flat is None:
+        flat = _FLAT_WORDS[pool] = _words(pool).numpy().data.cast("B").cast("q")
+    return flat
 
 
 def _ends(pool: KVPool, pages: list[int]) -> list[tuple[int, int]]:
@@ -44,13 +51,13 @@ def _rows_and_heads(words: torch.Tensor, pages: list[int], first: int) -> tuple[
 
 def fill(pool: KVPool, pages: list[int], room: int) -> None:
     first = _first_stamp(room)
-    words = _words(pool)
-    if words.is_cpu and not _TENSOR_OPS_ON_CPU:
-        flat = _flat(words)
+    if pool.data.is_cpu and not _TENSOR_OPS_ON_CPU:
+        flat = _flat(pool)
         for i, (head, tail) in enumerate(_ends(pool, pages)):
             flat[head] = first + 2 * i
             flat[tail] = first + 2 * i + 1
         return
+    words = _words(pool)
     rows, heads = _rows_and_heads(words, pages, first)
     words[rows, 0] = heads
     words[rows, -1] = heads + 1
@@ -58,12 +65,12 @@ def fill(pool: KVPool, pages: list[int], room: int) -> None:
 
 def verify(pool: KVPool, pages: list[int], room: int) -> bool:
     first = _first_stamp(room)
-    words = _words(pool)
-    if words.is_cpu and not _TENSOR_OPS_ON_CPU:
-        flat = _flat(words)
+    if pool.data.is_cpu and not _TENSOR_OPS_ON_CPU:
+        flat = _flat(pool)
         return all(
             flat[head] == first + 2 * i and flat[tail] == first + 2 * i + 1
             for i, (head, tail) in enumerate(_ends(pool, pages))
         )
+    words = _words(pool)
     rows, heads = _rows_and_heads(words, pages, first)
     return bool(torch.equal(words[rows, 0], heads) and torch.equal(words[rows, -1], heads + 1))
