@@ -51,6 +51,8 @@ class _EmbeddedServer(uvicorn.Server):
 class NodeService(abc.ABC):
     role: str
     loop: asyncio.AbstractEventLoop  # set when run() starts
+    # Messages handled ahead of others waiting with them on the PULL socket; None: arrival order.
+    urgent: Callable[[list[bytes]], bool] | None = None
 
     def __init__(self, settings: NodeSettings, engine: TransferEngine | None = None):
         self.settings = settings
@@ -116,9 +118,6 @@ class NodeService(abc.ABC):
             raise RejectedMessage(f"rank {rank} is not served here", room=room, kind="bad_rank")
 
     # -- room bookkeeping -------------------------------------------------------
-
-    # Messages handled ahead of others waiting with them; None: arrival order.
-    urgent: Callable[[list[bytes]], bool] | None = None
 
     # States this node tells the bootstrap about; the bootstrap starts every room BOOTSTRAPPING.
     reported_states = frozenset(RoomState) - {RoomState.BOOTSTRAPPING}
