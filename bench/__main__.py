@@ -27,7 +27,7 @@ from bench.raw import RawPair
 from bench.report import write_report
 from shared.heap import freeze_startup_heap
 from shared.kv_layout import KVLayout
-from shared.local_stack import LocalStack, Service
+from launcher.local_stack import LocalStack, Service
 
 MIB = 1 << 20
 # A KV layout of an 8B-class model: 32 layers, 8 KV heads of 128, bfloat16 (128 KiB a token).

@@ -1,19 +1,25 @@
-"""The bootstrap's REST API: thin routers over the Cluster."""
+"""The bootstrap's REST API: thin routers over the Cluster.
+
+Node routes need the join secret, client routes the API key when one is set
+(both as ``Authorization: Bearer``); health, metrics and the status page stay
+open.
+"""
 
 import asyncio
 import contextlib
 from typing import Annotated, Any, Literal
 
 import msgspec
-from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response
-from pydantic import BaseModel, Field, model_validator
+from fastapi import APIRouter, Depends, Header, HTTPException, Query, Request, Response
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from bootstrap.cluster import Cluster, NoLiveNode
-from bootstrap.registry import Heartbeat, LayoutConflict, NodeRegistration
+from bootstrap.registry import Incompatible, Node
 from bootstrap.rooms import RoomRecord
 from shared.metrics import CONTENT_TYPE_LATEST
 from shared.model import ModelConfig, encode_text
-from shared.states import RoomState
+from shared.registration import Heartbeat, NodeRegistration
+from shared.security import bearer, secrets_match
 
 
 async def get_cluster(request: Request) -> Cluster:
@@ -23,14 +29,41 @@ async def get_cluster(request: Request) -> Cluster:
 
 
 ClusterDep = Annotated[Cluster, Depends(get_cluster)]
+Authorization = Annotated[str | None, Header(include_in_schema=False)]
+UNAUTHORIZED = {"WWW-Authenticate": "Bearer"}
+
+
+async def join_token_checked(cluster: ClusterDep, authorization: Authorization = None) -> None:
+    if cluster.join_token is not None and not secrets_match(bearer(authorization), cluster.join_token):
+        raise HTTPException(401, "a node must present the cluster's join token", headers=UNAUTHORIZED)
+
+
+async def api_key_checked(cluster: ClusterDep, authorization: Authorization = None) -> None:
+    if cluster.api_key is not None and not secrets_match(bearer(authorization), cluster.api_key):
+        raise HTTPException(401, "a valid API key is required", headers=UNAUTHORIZED)
+
+
 VOCAB = ModelConfig().vocab_size
 StateName = Literal["FAILED", "BOOTSTRAPPING", "WAITING_FOR_INPUT", "TRANSFERRING", "SUCCESS"]
 
 
+def encodable(text: str) -> str:
+    """Refuse text that is not valid Unicode (a lone surrogate), which no tokenizer can take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"not valid Unicode at position {exc.start} (a lone surrogate)") from None
+    return text
+
+
 class RoomRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     prompt: str | None = Field(None, min_length=1, description="text, tokenized as UTF-8 bytes")
     input_ids: list[Annotated[int, Field(ge=0, lt=VOCAB)]] | None = Field(None, min_length=1)
     max_new_tokens: int = Field(16, ge=1)
+
+    _prompt_is_text = field_validator("prompt")(lambda cls, v: v if v is None else encodable(v))
 
     @model_validator(mode="after")
     def _one_input(self) -> "RoomRequest":
@@ -42,23 +75,26 @@ class RoomRequest(BaseModel):
         return self.input_ids if self.input_ids is not None else encode_text(self.prompt or "")
 
 
-nodes = APIRouter(tags=["nodes"])
-rooms = APIRouter(tags=["rooms"])
+nodes = APIRouter(tags=["nodes"], dependencies=[Depends(join_token_checked)])
+nodes_open = APIRouter(tags=["nodes"])
+rooms = APIRouter(tags=["rooms"], dependencies=[Depends(api_key_checked)])
 ops = APIRouter(tags=["operations"])
+
+
+def _node(cluster: Cluster, node_id: str) -> Node:
+    node = cluster.registry.nodes.get(node_id)
+    if node is None:
+        raise HTTPException(404, f"node {node_id} is not registered")
+    return node
 
 
 @nodes.post("/nodes", status_code=201)
 async def register_node(reg: NodeRegistration, cluster: ClusterDep) -> dict[str, Any]:
     try:
         node = cluster.register(reg)
-    except LayoutConflict as exc:
+    except Incompatible as exc:
         raise HTTPException(409, str(exc)) from exc
-    return {
-        "node_id": node.id,
-        "report_endpoint": cluster.report_endpoint,
-        "token": cluster.token,
-        "node_ttl_s": cluster.settings.node_ttl_s,
-    }
+    return cluster.registered(node).model_dump()
 
 
 @nodes.put("/nodes/{node_id}/heartbeat")
@@ -66,10 +102,25 @@ async def heartbeat(node_id: str, beat: Heartbeat, cluster: ClusterDep) -> dict[
     node = cluster.registry.heartbeat(node_id, beat)
     if node is None:
         raise HTTPException(404, f"node {node_id} is not registered")
-    return {"node_id": node.id, "alive": node.alive}
+    cluster.heartbeat_changed(node)
+    return cluster.registered(node).model_dump()
 
 
-@nodes.get("/nodes")
+@nodes.post("/nodes/{node_id}/drain")
+async def drain_node(node_id: str, cluster: ClusterDep) -> dict[str, Any]:
+    node = _node(cluster, node_id)
+    cluster.drain(node)
+    return node.view()
+
+
+@nodes.delete("/nodes/{node_id}")
+async def remove_node(node_id: str, cluster: ClusterDep) -> dict[str, Any]:
+    node = _node(cluster, node_id)
+    cluster.forget(node)
+    return node.view()
+
+
+@nodes_open.get("/nodes")
 async def list_nodes(cluster: ClusterDep) -> list[dict[str, Any]]:
     return [node.view() for node in cluster.registry.nodes.values()]
 
@@ -88,25 +139,34 @@ def check_wait(cluster: Cluster, wait: float) -> None:
 
 
 async def wait_finished(record: RoomRecord, wait: float) -> None:
-    if wait and not record.finished.is_set():
+    if wait and not record.done.is_set():
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(record.finished.wait(), wait)
+            await asyncio.wait_for(record.done.wait(), wait)
+
+
+def check_limits(cluster: Cluster, tokens: list[int], max_new_tokens: int) -> None:
+    s = cluster.settings
+    if len(tokens) > s.max_prompt_tokens:
+        raise HTTPException(422, f"prompt of {len(tokens)} tokens exceeds the cap of {s.max_prompt_tokens}")
+    if max_new_tokens > s.max_new_tokens:
+        raise HTTPException(422, f"max_new_tokens above the cap of {s.max_new_tokens}")
+
+
+def place(
+    cluster: Cluster, tokens: list[int], max_new_tokens: int, stop: list[str], stream: bool
+) -> RoomRecord:
+    check_limits(cluster, tokens, max_new_tokens)
+    try:
+        return cluster.place(tokens, max_new_tokens, stop, stream)
+    except NoLiveNode as exc:
+        raise HTTPException(503, str(exc)) from exc
 
 
 @rooms.post("/rooms", status_code=201, response_class=Response)
 async def create_room(body: RoomRequest, cluster: ClusterDep, wait: WaitQuery = 0) -> Response:
     """Create a room; with ``?wait=`` answer once it finished or the wait ran out."""
     check_wait(cluster, wait)  # before the room is placed
-    s = cluster.settings
-    tokens = body.tokens()
-    if len(tokens) > s.max_prompt_tokens:
-        raise HTTPException(422, f"prompt of {len(tokens)} tokens exceeds the cap of {s.max_prompt_tokens}")
-    if body.max_new_tokens > s.max_new_tokens:
-        raise HTTPException(422, f"max_new_tokens above the cap of {s.max_new_tokens}")
-    try:
-        record = cluster.place(tokens, body.max_new_tokens)
-    except NoLiveNode as exc:
-        raise HTTPException(503, str(exc)) from exc
+    record = place(cluster, body.tokens(), body.max_new_tokens, [], False)
     await wait_finished(record, wait)
     return room_response(record, 201)
 
@@ -133,16 +193,21 @@ async def list_rooms(
     state: Annotated[StateName | None, Query(description="only rooms in this state")] = None,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 100,
 ) -> list[dict[str, Any]]:
-    wanted = RoomState[state] if state else None
-    found = [r for r in reversed(cluster.book.rooms.values()) if wanted is None or r.state is wanted]
-    return [r.view() for r in found[:limit]]
+    found = []
+    for record in reversed(cluster.book.rooms.values()):
+        view = record.view()
+        if state is None or view["state"] == state:
+            found.append(view)
+            if len(found) == limit:
+                break
+    return found
 
 
 @rooms.delete("/rooms/{room}")
 async def abort_room(room: int, cluster: ClusterDep) -> dict[str, Any]:
     record = _record(cluster, room)
     if not cluster.abort(record):
-        raise HTTPException(409, f"room {room} already ended {record.state.name}")
+        raise HTTPException(409, f"room {room} already ended {record.view()['state']}")
     return record.view()
 
 
@@ -151,6 +216,8 @@ async def health(cluster: ClusterDep) -> dict[str, Any]:
     return {
         "status": "ok",
         "role": "bootstrap",
+        "zmq_security": "curve" if cluster.security.keys else "plain",
+        "join_token_required": cluster.join_token is not None,
         "live_prefill_nodes": cluster.registry.live_count("prefill"),
         "live_decode_nodes": cluster.registry.live_count("decode"),
         "rooms_in_flight": len(cluster.book.in_flight()),

@@ -2,9 +2,13 @@
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator
+from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from bootstrap import api, status_page
@@ -12,6 +16,8 @@ from bootstrap.cluster import Cluster
 from bootstrap.settings import BootstrapSettings
 from shared.heap import freeze_startup_heap
 from shared.metrics import NO_OPENTELEMETRY
+
+log = logging.getLogger(__name__)
 
 
 class BodyLimit:
@@ -68,11 +74,44 @@ class BodyLimit:
         await send({"type": "http.response.body", "body": body})
 
 
+def _printable(value: Any) -> Any:
+    """A value that JSON can carry: text that is not valid Unicode is escaped."""
+    if isinstance(value, str):
+        return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    if isinstance(value, (int, float)) or value is None:
+        return value
+    return _printable(str(value))
+
+
+async def invalid_request(request: Request, exc: Exception) -> JSONResponse:
+    """422 with what was wrong and where, never the input itself: it may not even be encodable."""
+    assert isinstance(exc, RequestValidationError)
+    detail = [
+        {
+            "loc": [_printable(part) for part in error["loc"]],
+            "msg": _printable(error["msg"]),
+            "type": error["type"],
+        }
+        for error in exc.errors()
+    ]
+    return JSONResponse({"detail": detail}, status_code=422)
+
+
+def warn_if_open(settings: BootstrapSettings, join_token: str | None) -> None:
+    if settings.host in ("0.0.0.0", "::") and join_token is None:
+        log.warning(
+            "listening on all interfaces with no join token: any host that reaches port %d can join "
+            "this cluster as a node; set KVROOM_JOIN_TOKEN",
+            settings.http_port,
+        )
+
+
 def create_app(settings: BootstrapSettings) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         cluster = Cluster(settings)
         app.state.cluster = cluster
+        warn_if_open(settings, cluster.join_token)
         ready = asyncio.Event()
         tasks = [
             asyncio.create_task(cluster.receive_reports(ready)),
@@ -95,7 +134,9 @@ def create_app(settings: BootstrapSettings) -> FastAPI:
         telemetry=NO_OPENTELEMETRY,
     )
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    app.add_exception_handler(RequestValidationError, invalid_request)
     app.include_router(api.nodes)
+    app.include_router(api.nodes_open)
     app.include_router(api.rooms)
     app.include_router(api.ops)
     app.include_router(status_page.router)

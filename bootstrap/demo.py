@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-from shared.local_stack import LocalStack
+from launcher.local_stack import LocalStack
 from shared.model import ReferenceModel, configure_determinism, encode_text, generate
 
 PROMPTS = [

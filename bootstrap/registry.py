@@ -1,70 +1,70 @@
-"""Registered nodes, their liveness and load."""
+"""Registered nodes, their liveness, load and standing."""
 
 import logging
 import time
 
-from pydantic import BaseModel, Field
-
-from shared import protocol
-from shared.kv_layout import KVLayout
+from shared.head_split import mapping_problem
+from shared.registration import Heartbeat, NodeRegistration
 
 log = logging.getLogger(__name__)
-
-
-class RankInfo(BaseModel):
-    rank: int = Field(ge=0, lt=protocol.MAX_RANKS)
-    session_id: str = Field(min_length=3, max_length=256, pattern=r"^[^\s:]+:\d{1,5}$")
-    zmq_endpoint: str = Field(min_length=7, max_length=256, pattern=r"^tcp://[^\s]+:\d{1,5}$")
-
-
-class LayoutInfo(BaseModel):
-    num_layers: int = Field(ge=1, le=1024)
-    num_kv_heads: int = Field(ge=1, le=1024)
-    head_dim: int = Field(ge=1, le=4096)
-    page_size: int = Field(ge=1, le=1024)
-    dtype: str = Field(pattern=r"^(float32|float16|bfloat16)$")
-
-    def layout(self) -> KVLayout:
-        return KVLayout(**self.model_dump())
-
-
-class NodeRegistration(BaseModel):
-    node_id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")
-    role: str = Field(pattern=r"^(prefill|decode)$")
-    http_url: str = Field(min_length=8, max_length=256, pattern=r"^https?://")
-    ranks: list[RankInfo] = Field(min_length=1, max_length=protocol.MAX_RANKS)
-    kv_layout: LayoutInfo
-    num_pages: int = Field(ge=1, le=1 << 30)
-
-
-class Heartbeat(BaseModel):
-    rooms_in_flight: int = Field(0, ge=0)
-    free_pages: int = Field(0, ge=0)
 
 
 class Node:
     def __init__(self, reg: NodeRegistration):
         self.reg = reg
-        self.layout = reg.kv_layout.layout()
         self.last_seen = time.monotonic()
         self.alive = True
+        self.healthy = True  # the node says it can serve (all its ranks live)
+        self.problem: str | None = None
+        self.draining = False
         self.rooms: set[int] = set()  # rooms in flight placed here
         self.free_pages = reg.num_pages
-        # Built once: every room placed here is sent to them.
-        self.peers = [protocol.PeerRank(r.rank, r.session_id, r.zmq_endpoint) for r in reg.ranks]
+        self.heartbeat = Heartbeat()
+        # Room assignments go to the node's leader, rank 0, which hands them to its ranks.
+        self.leader = reg.ranks[0].peer()
+        # Built once: every room placed here names them to its peer node.
+        self.peers = [r.peer() for r in reg.ranks]
 
     @property
     def id(self) -> str:
         return self.reg.node_id
 
+    @property
+    def role(self) -> str:
+        return self.reg.role
+
+    @property
+    def key(self) -> str:
+        """The CURVE key the node reports with (its rank 0's)."""
+        return self.reg.ranks[0].public_key
+
+    @property
+    def placeable(self) -> bool:
+        return self.alive and self.healthy and not self.draining
+
     def view(self) -> dict[str, object]:
+        ranks = {s.rank: s for s in self.heartbeat.ranks}
         return {
             "node_id": self.id,
-            "role": self.reg.role,
+            "role": self.role,
             "http_url": self.reg.http_url,
+            "version": self.reg.version,
             "alive": self.alive,
-            "ranks": [r.model_dump() for r in self.reg.ranks],
-            "kv_layout": self.reg.kv_layout.model_dump(),
+            "healthy": self.healthy,
+            "draining": self.draining,
+            "problem": self.problem,
+            "tp_size": self.reg.tp_size,
+            "ranks": [
+                {
+                    **r.model_dump(),
+                    "alive": self.alive and (ranks[r.rank].alive if r.rank in ranks else True),
+                    "free_pages": ranks[r.rank].free_pages if r.rank in ranks else None,
+                }
+                for r in self.reg.ranks
+            ],
+            "model": self.reg.model.model_dump(),
+            "compat_hash": self.reg.model.compat_hash,
+            "verify_kv": self.reg.verify_kv,
             "num_pages": self.reg.num_pages,
             "free_pages": self.free_pages,
             "rooms_in_flight": len(self.rooms),
@@ -72,8 +72,8 @@ class Node:
         }
 
 
-class LayoutConflict(Exception):
-    pass
+class Incompatible(Exception):
+    """A registration that cannot pair with the cluster's other nodes, and why."""
 
 
 class NodeRegistry:
@@ -81,20 +81,26 @@ class NodeRegistry:
         self.ttl_s = ttl_s
         self.nodes: dict[str, Node] = {}
 
+    def check(self, reg: NodeRegistration) -> None:
+        """Raise Incompatible unless ``reg`` can exchange KV with every live node of the other role."""
+        if [r.rank for r in reg.ranks] != list(range(reg.tp_size)):
+            raise Incompatible("ranks must be numbered 0..n-1, in order")
+        problem = mapping_problem([r.heads for r in reg.ranks], reg.model.num_kv_heads)
+        if problem:
+            raise Incompatible(f"KV heads of the ranks cannot map: {problem}")
+        for other in self.nodes.values():
+            if other.alive and other.id != reg.node_id and other.role != reg.role:
+                reason = reg.model.mismatch(other.reg.model)
+                if reason:
+                    raise Incompatible(f"model does not match {other.role} node {other.id}: {reason}")
+
     def register(self, reg: NodeRegistration) -> tuple[Node, Node | None]:
         """Add or replace a node; returns (new node, the incarnation it replaced)."""
-        layout = reg.kv_layout.layout()
-        for other in self.nodes.values():
-            if other.alive and other.id != reg.node_id and other.reg.role != reg.role:
-                reason = layout.mismatch(other.layout)
-                if reason:
-                    raise LayoutConflict(
-                        f"KV layout does not match {other.reg.role} node {other.id}: {reason}"
-                    )
+        self.check(reg)
         previous = self.nodes.get(reg.node_id)
         node = Node(reg)
         self.nodes[reg.node_id] = node
-        log.info("node %s registered as %s with %d rank(s)", node.id, reg.role, len(reg.ranks))
+        log.info("node %s registered as %s with %d rank(s)", node.id, reg.role, reg.tp_size)
         return node, previous
 
     def heartbeat(self, node_id: str, beat: Heartbeat) -> Node | None:
@@ -102,15 +108,21 @@ class NodeRegistry:
         if node is None:
             return None
         node.last_seen = time.monotonic()
+        node.heartbeat = beat
         node.free_pages = beat.free_pages
+        if node.healthy != beat.healthy:
+            log.warning(
+                "node %s is %s: %s", node_id, "healthy" if beat.healthy else "unhealthy", beat.problem
+            )
+        node.healthy, node.problem = beat.healthy, beat.problem
         if not node.alive:
             log.info("node %s is alive again", node_id)
             node.alive = True
         return node
 
     def pick(self, role: str) -> Node | None:
-        """The live node of ``role`` with the fewest rooms in flight."""
-        live = [n for n in self.nodes.values() if n.alive and n.reg.role == role]
+        """The placeable node of ``role`` with the fewest rooms in flight."""
+        live = [n for n in self.nodes.values() if n.placeable and n.role == role]
         return min(live, key=lambda n: len(n.rooms), default=None)
 
     def expire(self) -> list[Node]:
@@ -125,4 +137,7 @@ class NodeRegistry:
         return died
 
     def live_count(self, role: str) -> int:
-        return sum(1 for n in self.nodes.values() if n.alive and n.reg.role == role)
+        return sum(1 for n in self.nodes.values() if n.placeable and n.role == role)
+
+    def by_key(self, key: str) -> list[Node]:
+        return [n for n in self.nodes.values() if n.key == key]

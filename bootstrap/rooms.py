@@ -1,13 +1,13 @@
-"""The bootstrap's view of every room: placement, the agreed state, the result."""
+"""The bootstrap's view of every room: placement, the agreed state, the outcome, the result."""
 
 import asyncio
 import collections
 import logging
 import secrets
+from collections.abc import Callable
 
 from bootstrap.registry import Node
 from shared import protocol
-from shared.model import decode_text
 from shared.room import Room
 from shared.states import FailureReason, RoomState, forward_path
 
@@ -15,27 +15,42 @@ log = logging.getLogger(__name__)
 
 
 class RoomRecord(Room):
-    """A room as the bootstrap sees it: its placement, the decode's state, the result."""
+    """A room as the bootstrap sees it.
 
-    def __init__(self, room: int, input_ids: list[int], max_new_tokens: int, prefill: Node, decode: Node):
+    ``state`` is the transfer's, from the decode node's reports: SUCCESS once
+    the KV and aux landed and were validated there. ``outcome`` is the
+    request's end after that: "completed" with the output, or "failed" with a
+    reason. The view's ``state`` is FAILED for a failed outcome.
+    """
+
+    def __init__(
+        self,
+        room: int,
+        input_ids: list[int],
+        max_new_tokens: int,
+        prefill: Node,
+        decode: Node,
+        detokenize: Callable[[list[int]], str],
+    ):
         super().__init__(room)
         self.input_ids = input_ids
         self.max_new_tokens = max_new_tokens
         self.prefill = prefill
         self.decode = decode
+        self._detokenize = detokenize
         self.node_states: dict[str, dict[str, object]] = {}
-        self.finished = asyncio.Event()
+        self.done = asyncio.Event()
+        # Tokens streamed as the decode makes them, and a wake-up for whoever reads them.
+        self.streamed: list[int] = []
+        self.progress = asyncio.Event()
 
     def view(self) -> dict[str, object]:
         return {
-            "room": self.id,
-            "state": self.state.name,
-            "reason": self.reason,
-            "finished": self.finished.is_set(),
+            **super().view(),
+            "finished": self.done.is_set(),
             "prompt_tokens": len(self.input_ids),
             "max_new_tokens": self.max_new_tokens,
-            "output_ids": self.output_ids,
-            "text": decode_text(self.output_ids) if self.output_ids is not None else None,
+            "text": self._detokenize(self.output_ids) if self.output_ids is not None else None,
             "prefill": {
                 "node_id": self.prefill.id,
                 "session_ids": [r.session_id for r in self.prefill.reg.ranks],
@@ -45,9 +60,16 @@ class RoomRecord(Room):
                 "session_ids": [r.session_id for r in self.decode.reg.ranks],
             },
             "node_states": self.node_states,
-            "timestamps": self.timestamps,
-            "timings": self.timings,
         }
+
+    def add_tokens(self, offset: int, tokens: list[int]) -> None:
+        """Streamed tokens, in order; a chunk that repeats or skips ahead is ignored."""
+        if offset == len(self.streamed):
+            self.streamed += tokens
+            self.progress.set()
+
+    def wake(self) -> None:
+        self.progress.set()
 
 
 class RoomBook:
@@ -56,10 +78,10 @@ class RoomBook:
         self.history = history
 
     def new_id(self) -> int:
-        """Unique, non-zero, below 2**63: 0 is never a room."""
+        """Unique, non-zero, exact in a float64: 0 is never a room, and JSON tools keep every digit."""
         while True:
-            room = secrets.randbits(63)
-            if room and room not in self.rooms:
+            room = secrets.randbelow(protocol.MAX_ROOM_ID) + 1
+            if room not in self.rooms:
                 return room
 
     def add(self, record: RoomRecord) -> None:
@@ -75,45 +97,59 @@ class RoomBook:
         """
         while len(self.rooms) > self.history:
             oldest = next(iter(self.rooms.values()))
-            if not oldest.finished.is_set():
+            if not oldest.done.is_set():
                 return
             self.rooms.popitem(last=False)
 
     def in_flight(self) -> list[RoomRecord]:
-        return [r for r in self.rooms.values() if not r.state.terminal]
+        return [r for r in self.rooms.values() if not r.done.is_set()]
 
     def fail(self, record: RoomRecord, reason: str) -> bool:
-        """End the room FAILED unless it already ended; True if this call ended it."""
-        if not record.fail(reason):
+        """End the room FAILED (or its outcome failed, once the transfer succeeded); True if this ended it."""
+        if record.done.is_set():
             return False
+        if record.state is RoomState.SUCCESS:
+            record.end("failed", reason)
+        else:
+            record.fail(reason)
         self._finish(record)
         return True
 
     def _finish(self, record: RoomRecord) -> None:
         record.prefill.rooms.discard(record.id)
         record.decode.rooms.discard(record.id)
-        record.finished.set()
+        record.done.set()
+        record.wake()
         self._trim()
 
     def apply(self, record: RoomRecord, role: str, report: protocol.RoomStatus) -> list[Node]:
         """Fold a node's report into the room; returns nodes that must be told to abort."""
         state = RoomState(report.state)
         ts = report.timestamps.get(state.name)
-        record.node_states[role] = {"state": state.name, "reason": report.reason, "ts": ts}
+        record.node_states[role] = {
+            "state": state.name,
+            "reason": report.reason,
+            "outcome": report.outcome,
+            "ts": ts,
+        }
         record.timings.update(report.timings)
+        if record.done.is_set():
+            return []
         if state is RoomState.FAILED:
-            if self.fail(record, report.reason or f"{role}_failed"):
+            if record.state is not RoomState.SUCCESS and self.fail(record, report.reason or f"{role}_failed"):
                 return [record.decode if role == "prefill" else record.prefill]
             return []
-        if role == "decode":
-            for step in forward_path(record.state, state):
-                record.advance(step, ts=report.timestamps.get(step.name))
-        if role == "decode" and report.output_ids is not None and record.state is RoomState.SUCCESS:
-            record.output_ids = report.output_ids
-            if report.reason:
-                record.reason = report.reason
-            self._finish(record)
-        elif role == "decode" and report.reason == FailureReason.DECODE_FAILED:
-            record.reason = report.reason
+        if role != "decode":
+            return []
+        # Only the decode node's report moves the room: SUCCESS is what it validated.
+        for step in forward_path(record.state, state):
+            record.advance(step, ts=report.timestamps.get(step.name))
+        if record.state is RoomState.SUCCESS and report.outcome is not None:
+            if report.outcome == "completed":
+                record.output_ids = report.output_ids or []
+                record.finish_reason = report.finish_reason
+                record.end("completed")
+            else:
+                record.end("failed", report.reason or FailureReason.DECODE_FAILED)
             self._finish(record)
         return []

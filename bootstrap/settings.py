@@ -1,6 +1,9 @@
-from pydantic import Field
+from pathlib import Path
+
+from pydantic import Field, SecretStr
 from pydantic_settings import SettingsConfigDict
 
+from shared.security import read_secret
 from shared.settings import ServiceSettings
 
 
@@ -11,9 +14,17 @@ class BootstrapSettings(ServiceSettings):
 
     http_port: int = Field(8000, ge=1, le=65535, description="HTTP port of the REST API")
     zmq_port: int = Field(8001, ge=1, le=65535, description="ZMQ port where nodes report room states")
+    api_key: SecretStr | None = Field(
+        None, description="key clients must present as Authorization: Bearer on /rooms (default: none asked)"
+    )
+    api_key_file: Path | None = Field(None, description="file holding the client API key")
     node_ttl_s: float = Field(5.0, gt=0, description="a node silent this long is marked dead")
     max_prompt_tokens: int = Field(4096, ge=1, description="longest prompt a room may carry, in tokens")
     max_new_tokens: int = Field(1024, ge=1, description="most tokens a room may ask to generate")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="larger request bodies are refused unread")
     max_wait_s: float = Field(60.0, gt=0, description="longest ?wait= a client may ask for")
     room_history: int = Field(10_000, ge=1, description="finished rooms kept for GET /rooms")
+
+    def resolved_api_key(self) -> str | None:
+        key = self.api_key.get_secret_value() if self.api_key else None
+        return read_secret(key, self.api_key_file, "API key")

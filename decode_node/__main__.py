@@ -1,18 +1,13 @@
 """python -m decode_node [--help]"""
 
-import uvloop
-
 from decode_node.service import DecodeService
 from decode_node.settings import DecodeSettings
-from shared.logs import configure_logging
-from shared.model import configure_determinism
+from shared.cli import parse_settings
+from shared.runtime import run_node
 
 
 def main() -> None:
-    settings = DecodeSettings(_cli_parse_args=True)  # type: ignore[call-arg]
-    configure_logging(settings.log_level, settings.log_format, "decode")
-    configure_determinism()
-    uvloop.run(DecodeService(settings).run())
+    run_node("decode", parse_settings(DecodeSettings), DecodeService)
 
 
 if __name__ == "__main__":

@@ -1,297 +1,417 @@
-"""The decode node: lends KV pages to a prefill node, takes done+aux, decides SUCCESS.
+"""A decode rank: lends KV pages to the prefill ranks that write its heads, takes done+aux, decides SUCCESS.
 
-Per room: BOOTSTRAPPING until every prefill rank accepted the transfer request,
-WAITING_FOR_INPUT until one reports its writes began, TRANSFERRING until every
-prefill rank the room expects sent its done notice with an aux record and every
-record landed in the room's slot and names this room: then SUCCESS, and the
-remaining tokens are decoded from the transferred KV. Each waiting state has
-its own timeout and failure reason.
+Per room, on this rank: BOOTSTRAPPING until every prefill rank that writes into
+it accepted the transfer request, WAITING_FOR_INPUT until one reports its writes
+began, TRANSFERRING until every one of them sent done+aux and the gate
+(``shared.gate.rank_verdict``) calls the records that landed in this rank's
+slots intact, this room's, and in agreement: then the rank is ready. The room
+becomes SUCCESS only when every rank of the node is ready with the same record
+(``shared.agreement``); then every rank decodes, in the order they agreed.
+Each waiting state has its own timeout and failure reason.
 
-Pages lent to a prefill rank are fenced until that rank answers (done+aux or
-released) or the lease times out, so a late write can never land in pages
-that another room already holds.
+Ownership of pages: a prefill rank may write into the pages lent to it from the
+transfer request until it sends done+aux (its writes completed) or
+RoomReleased (none of its writes can still move). Until then a failed room's
+pages stay fenced, however it failed, or until the lease times out. Aux slots
+are freed at once on any end: the aux never arrives by DMA.
 """
 
 import asyncio
+import concurrent.futures
 import logging
 import time
+from collections.abc import Callable
+from typing import Any
 
 from decode_node.settings import DecodeSettings
-from shared import protocol, synthetic_kv
-from shared.aux_buffers import AUX_RECORD, AuxBuffers
-from shared.errors import AuxValidationError, PoolExhausted, RejectedMessage
+from shared import kv_digest, protocol
+from shared.agreement import Participant
+from shared.aux_buffers import AUX_RECORD, AuxBuffers, record_digest
+from shared.errors import PoolExhausted, RejectedMessage
+from shared.gate import Expected, Invalid, Landed, Pending, Ready, rank_verdict
+from shared.head_split import HeadRange, writers
+from shared.kv_source import Decoded
+from shared.metrics import ServiceMetrics
 from shared.model import pages_needed
-from shared.node import NodeService
+from shared.rank import NodeHooks, Rank, RankRoom, RankService
 from shared.room import Room
 from shared.states import FailureReason, RoomState
-from shared.transfer import TransferEngine
 
 log = logging.getLogger(__name__)
 
 
-class DecodeJob(Room):
+class DecodeJob(RankRoom):
     def __init__(self, msg: protocol.DecodeRoom, service: "DecodeService"):
         super().__init__(msg.room, service.room_changed)
         self.prompt_len = msg.prompt_len
         self.max_new_tokens = msg.max_new_tokens
+        self.stop = msg.stop
+        self.stream = msg.stream
         self.prefill_ranks = {peer.rank: peer for peer in msg.prefill_ranks}
+        self.writers: dict[int, HeadRange] = {}  # prefill rank -> the heads it writes here
         self.pages: list[int] = []
-        self.aux_slot: int | None = None
+        self.slots: dict[int, int] = {}  # prefill rank -> its aux slot
         self.unaccepted: set[int] = set()  # prefill ranks that have not accepted the request
-        self.pending: set[int] = set()  # prefill ranks whose done+aux has not landed
-        self.kv_done: set[int] = set()  # prefill ranks whose done came without its aux
+        self.landed: dict[int, Landed] = {}
+        self.checking: set[int] = set()  # prefill ranks whose pages are being digested
+        self.completed_at: dict[int, float] = {}
         self.aux_missing_since: float | None = None
         self.leased: set[int] = set()  # prefill ranks that may still write into our pages
         self.lease_deadline = 0.0
         self.requested_at = 0.0
+        self.first_token = 0
         self.decoding = False
+        self.abort_reason: str | None = None  # aborted while decoding: the output is dropped
 
 
-class DecodeService(NodeService):
+class DecodeService(RankService):
     role = "decode"
     settings: DecodeSettings
     # A room's done+aux goes before other waiting messages: it ends a room and frees its
     # pages, and under load it would otherwise wait behind new rooms' messages.
     urgent = staticmethod(protocol.is_done_aux)
 
-    def __init__(self, settings: DecodeSettings, engine: TransferEngine | None = None):
-        super().__init__(settings, engine)
-        self.aux = AuxBuffers(settings.aux_slots)
+    def __init__(self, rank: Rank, node: NodeHooks, agree: Participant, metrics: ServiceMetrics):
+        super().__init__(rank, node, agree, metrics)
+        self.aux = AuxBuffers(self.settings.aux_slots)
         # Failed rooms whose pages are still lent out, until released or timed out.
         self.fenced: dict[int, DecodeJob] = {}
-        self.metrics.gauge_function("kvroom_free_aux_slots", "Free aux slots", lambda: self.aux.free_slots)
-        self.metrics.gauge_function("kvroom_total_aux_slots", "Aux slots", lambda: self.aux.slots)
+        self.prefill_pages = self.layout.pages_for
 
-    def health(self) -> dict[str, object]:
-        return {
-            **super().health(),
-            "free_aux_slots": self.aux.free_slots,
-            "total_aux_slots": self.aux.slots,
-            "fenced_rooms": len(self.fenced),
-        }
+    def health(self) -> protocol.RankHealth:
+        return protocol.RankHealth(
+            rank=self.rank.index,
+            free_pages=self.pool.free_pages,
+            total_pages=self.pool.num_pages,
+            free_aux_slots=self.aux.free_slots,
+            total_aux_slots=self.aux.slots,
+            rooms_in_flight=len(self.rooms.live),
+            fenced_rooms=len(self.fenced),
+        )
 
-    def handle(self, msg: protocol.Message, aux: memoryview | None) -> None:
-        if isinstance(msg, protocol.KvDone):
-            self._on_done(msg, aux)
-        elif isinstance(msg, protocol.TransferAccepted):
-            self._on_accepted(msg)
-        elif isinstance(msg, protocol.TransferStarted):
-            self._on_started(msg)
-        elif isinstance(msg, protocol.DecodeRoom):
+    def holds(self, room: Room) -> bool:
+        return isinstance(room, DecodeJob) and room.decoding
+
+    def handle_assignment(self, msg: protocol.PrefillRoom | protocol.DecodeRoom | protocol.AbortRoom) -> None:
+        if isinstance(msg, protocol.DecodeRoom):
             self._on_room(msg)
-        elif isinstance(msg, protocol.RoomReleased):
-            self._on_released(msg)
         elif isinstance(msg, protocol.AbortRoom):
             self._on_abort(msg)
         else:
             raise RejectedMessage(f"a decode node does not take {type(msg).__name__}", kind="unexpected")
 
+    def handle_peer(self, msg: protocol.Message, aux: memoryview | None, sender: str | None) -> None:
+        if isinstance(msg, protocol.KvDone):
+            self._on_done(msg, aux, sender)
+        elif isinstance(msg, protocol.TransferAccepted):
+            self._on_accepted(msg, sender)
+        elif isinstance(msg, protocol.TransferStarted):
+            self._on_started(msg, sender)
+        elif isinstance(msg, protocol.RoomReleased):
+            self._on_released(msg, sender)
+        else:
+            raise RejectedMessage(f"a decode rank does not take {type(msg).__name__}", kind="unexpected")
+
     # -- messages -----------------------------------------------------------------
 
-    def _job_for(self, room: int, rank: int, prefill_rank: int) -> DecodeJob:
-        """The live room a prefill message addresses, after the checks that need no room data."""
+    def _job_for(self, room: int, rank: int, prefill_rank: int, sender: str | None) -> DecodeJob:
+        """The live room a prefill message addresses, once it is known to come from that prefill rank."""
         self.check_rank(rank, room)
         job = self.rooms.live.get(room)
         if job is None:
-            known = self.rooms.find(room) is not None
+            known = self.rooms.find(room) is not None or room in self.fenced
             raise RejectedMessage(
                 f"message for a {'finished' if known else 'unknown'} room",
                 room=room,
                 kind="finished" if known else "unknown_room",
             )
         assert isinstance(job, DecodeJob)
-        if prefill_rank not in job.prefill_ranks:
+        if prefill_rank not in job.writers:
             raise RejectedMessage(
-                f"prefill rank {prefill_rank} is not this room's", room=room, kind="bad_rank"
+                f"prefill rank {prefill_rank} does not write into this rank", room=room, kind="bad_rank"
             )
+        self.check_sender(sender, job.prefill_ranks[prefill_rank], room)
         return job
 
     def _on_room(self, msg: protocol.DecodeRoom) -> None:
-        self.check_origin(msg)
-        if self.rooms.find(msg.room) is not None:
+        if self.rooms.find(msg.room) is not None or msg.room in self.fenced:
             raise RejectedMessage("room already known", room=msg.room, kind="duplicate")
         job = DecodeJob(msg, self)
         self.rooms.add(job)
+        ranks = [job.prefill_ranks.get(r) for r in range(len(job.prefill_ranks))]
+        try:
+            if None in ranks:
+                raise ValueError("prefill ranks are not numbered 0..n-1")
+            heads = [HeadRange(p.kv_head_start, p.kv_head_count) for p in ranks if p is not None]
+            job.writers = writers(heads, self.source.kv_heads, self.rank.index)
+        except ValueError as exc:
+            log.warning("room=%d prefill ranks do not map onto ours: %s", job.id, exc, extra={"room": job.id})
+            self.set_local(job, RoomState.FAILED, FailureReason.AUX_INVALID)
+            return
         try:
             job.pages = self.pool.alloc(pages_needed(self.layout, msg.prompt_len, msg.max_new_tokens))
-            job.aux_slot = self.aux.alloc()
+            for prefill_rank in job.writers:
+                job.slots[prefill_rank] = self.aux.alloc()
         except PoolExhausted as exc:
             log.warning("room=%d %s", job.id, exc, extra={"room": job.id})
-            self._fail(job, FailureReason.NO_CAPACITY)
+            self.set_local(job, RoomState.FAILED, FailureReason.NO_CAPACITY)
             return
         kv_pages = job.pages[: self.layout.pages_for(msg.prompt_len)]
-        for peer in job.prefill_ranks.values():
+        job.requested_at = time.perf_counter()
+        for prefill_rank, slot in job.slots.items():
             request = protocol.TransferRequest(
                 room=job.id,
-                rank=peer.rank,
-                decode_rank=self.rank,
-                session_id=self.engine.session_id,
+                rank=prefill_rank,
+                decode_rank=self.rank.index,
                 kv_base_ptr=self.pool.base_ptr,
                 num_pages=self.pool.num_pages,
                 page_bytes=self.layout.page_bytes,
                 page_indices=kv_pages,
-                aux_slot=job.aux_slot,
-                aux_endpoint=self.settings.public_zmq_endpoint(self.rank),
+                aux_slot=slot,
             )
-            job.requested_at = time.perf_counter()
-            if not self.send(peer.zmq_endpoint, protocol.encode(request)):
-                self._fail(job, FailureReason.PEER_LOST)
+            if not self.rank.send(job.prefill_ranks[prefill_rank], request):
+                self.set_local(job, RoomState.FAILED, FailureReason.PEER_LOST)
                 return
-            job.unaccepted.add(peer.rank)
-            job.pending.add(peer.rank)
-            job.leased.add(peer.rank)
+            job.unaccepted.add(prefill_rank)
+            job.leased.add(prefill_rank)
 
-    def _progress_job(self, room: int, rank: int, prefill_rank: int) -> DecodeJob | None:
+    def _progress_job(self, room: int, rank: int, prefill_rank: int, sender: str | None) -> DecodeJob | None:
         """The room a progress notice is for; None for a room that already ended.
 
         Accept and start notices can be overtaken by the done+aux they precede,
         so one for a finished room is expected and dropped without complaint.
         """
-        if room not in self.rooms.live and self.rooms.find(room) is not None:
+        if room not in self.rooms.live and (self.rooms.find(room) is not None or room in self.fenced):
             log.debug("room=%d progress notice after the room ended", room, extra={"room": room})
             return None
-        return self._job_for(room, rank, prefill_rank)
+        return self._job_for(room, rank, prefill_rank, sender)
 
-    def _on_accepted(self, msg: protocol.TransferAccepted) -> None:
-        job = self._progress_job(msg.room, msg.rank, msg.prefill_rank)
+    def _on_accepted(self, msg: protocol.TransferAccepted, sender: str | None) -> None:
+        job = self._progress_job(msg.room, msg.rank, msg.prefill_rank, sender)
         if job is None:
             return
         if msg.prefill_rank not in job.unaccepted:
             raise RejectedMessage("duplicate accept", room=job.id, kind="duplicate")
         job.unaccepted.discard(msg.prefill_rank)
         if not job.unaccepted:
-            job.advance_to(RoomState.WAITING_FOR_INPUT)
+            self.set_local(job, RoomState.WAITING_FOR_INPUT)
 
-    def _on_started(self, msg: protocol.TransferStarted) -> None:
-        job = self._progress_job(msg.room, msg.rank, msg.prefill_rank)
+    def _on_started(self, msg: protocol.TransferStarted, sender: str | None) -> None:
+        job = self._progress_job(msg.room, msg.rank, msg.prefill_rank, sender)
         if job is not None:
-            job.advance_to(RoomState.TRANSFERRING)
+            self.set_local(job, RoomState.TRANSFERRING)
 
-    def _on_done(self, msg: protocol.KvDone, record: memoryview | None) -> None:
-        job = self._job_for(msg.room, msg.rank, msg.prefill_rank)
-        if msg.prefill_rank not in job.pending:
-            raise RejectedMessage(
-                f"duplicate done from prefill rank {msg.prefill_rank}", room=job.id, kind="duplicate"
-            )
-        if msg.aux_slot != job.aux_slot:
+    def _on_done(self, msg: protocol.KvDone, record: memoryview | None, sender: str | None) -> None:
+        job = self._job_for(msg.room, msg.rank, msg.prefill_rank, sender)
+        p = msg.prefill_rank
+        earlier = job.landed.get(p)
+        if p in job.checking or (earlier is not None and not self._needs_aux(earlier)):
+            raise RejectedMessage(f"duplicate done from prefill rank {p}", room=job.id, kind="duplicate")
+        if msg.aux_slot != job.slots[p]:
             # Bounds and ownership checked before anything is copied.
             raise RejectedMessage(
                 f"aux slot {msg.aux_slot} is not this room's", room=job.id, kind="out_of_range"
             )
-        if record is None or len(record) != AUX_RECORD.size:
-            self._on_aux_missing(job, msg.prefill_rank)
+        landed = None
+        if record is not None and len(record) == AUX_RECORD.size:
+            landed = self.aux.write(msg.aux_slot, record)
+        job.leased.discard(p)  # done is sent only once every write of that rank completed
+        job.completed_at[p] = msg.completed_at
+        if not self.settings.verify_kv:
+            self._landed(job, p, Landed(landed, msg.pages_written, True))
             return
-        job.pending.discard(msg.prefill_rank)
-        job.kv_done.discard(msg.prefill_rank)
-        job.leased.discard(msg.prefill_rank)
-        expected_pages = self.layout.pages_for(job.prompt_len)
+        if msg.digests is None or len(msg.digests) != msg.pages_written:
+            log.warning("room=%d no page digests from prefill rank %d", job.id, p, extra={"room": job.id})
+            self._landed(job, p, Landed(landed, msg.pages_written, False))
+            return
+        job.checking.add(p)
+        self.spawn(self._check_digests(job, p, msg, landed))
+
+    @staticmethod
+    def _needs_aux(landed: Landed) -> bool:
+        from shared.aux_buffers import unpack
+
+        return landed.record is None or unpack(landed.record) is None
+
+    async def _check_digests(
+        self, job: DecodeJob, p: int, msg: protocol.KvDone, landed: bytes | None
+    ) -> None:
+        """Digest our pages as they are now, off the event loop, and compare with the prefill's."""
+        heads, mine = job.writers[p], self.source.kv_heads
+        hb = self.layout.head_bytes
+        pages = job.pages[: msg.pages_written]
         try:
-            if msg.pages_written != expected_pages:
-                raise AuxValidationError(f"{msg.pages_written} pages written, {expected_pages} expected")
-            self.aux.write(job.aux_slot, record)
-            aux = self.aux.validate(job.aux_slot, job.id, job.prompt_len, self.model.config.vocab_size)
-        except AuxValidationError as exc:
-            log.warning("room=%d aux rejected: %s", job.id, exc, extra={"room": job.id})
-            self._fail(job, FailureReason.AUX_INVALID)
+            ours = await asyncio.to_thread(
+                kv_digest.page_digests, self.pool, pages, (heads.start - mine.start) * hb, heads.count * hb
+            )
+        finally:
+            job.checking.discard(p)
+        if job.id not in self.rooms.live:
             return
-        job.advance_to(RoomState.TRANSFERRING)
-        if job.pending:
-            return
-        aux_latency = max(0.0, time.time() - msg.completed_at)
-        job.timings["request_to_success_s"] = time.perf_counter() - job.requested_at
-        job.timings["aux_latency_s"] = aux_latency
-        self.metrics.aux_latency.observe(aux_latency)
-        job.advance(RoomState.SUCCESS)
-        self.aux.free(job.aux_slot)
-        job.aux_slot = None
-        job.decoding = True
-        self.spawn(self._decode(job, aux.first_token))
+        intact = ours == msg.digests
+        if not intact:
+            bad = next(i for i, (a, b) in enumerate(zip(ours, msg.digests or [], strict=False)) if a != b)
+            log.error(
+                "room=%d page %d from prefill rank %d does not match its digest",
+                job.id,
+                bad,
+                p,
+                extra={"room": job.id},
+            )
+        self._landed(job, p, Landed(landed, msg.pages_written, intact))
 
-    def _on_aux_missing(self, job: DecodeJob, prefill_rank: int) -> None:
-        """The KV is done but its aux is not here: wait for it, up to the aux timeout."""
-        if prefill_rank in job.kv_done:
-            raise RejectedMessage("duplicate done without aux", room=job.id, kind="duplicate")
-        job.kv_done.add(prefill_rank)
-        if job.aux_missing_since is None:
-            job.aux_missing_since = time.monotonic()
-        self.metrics.rejected.labels("aux_missing").inc()
-        log.warning(
-            "room=%d done notice from prefill rank %d arrived without a whole aux record",
+    def _landed(self, job: DecodeJob, p: int, landed: Landed) -> None:
+        """Fold one prefill rank's done+aux into the room and ask the gate."""
+        job.landed[p] = landed
+        expected = Expected(
             job.id,
-            prefill_rank,
-            extra={"room": job.id},
+            job.prompt_len,
+            self.source.identity.vocab_size,
+            self.layout.pages_for(job.prompt_len),
+            frozenset(job.writers),
         )
-        job.advance_to(RoomState.TRANSFERRING)
+        verdict = rank_verdict(expected, job.landed)
+        if isinstance(verdict, Invalid):
+            log.warning("room=%d aux rejected: %s", job.id, verdict.detail, extra={"room": job.id})
+            self.set_local(job, RoomState.FAILED, verdict.reason)
+            return
+        if isinstance(verdict, Pending):
+            if self._needs_aux(landed):
+                kind = "aux_missing" if landed.record is None else "aux_corrupt"
+                self.metrics.rejected.labels(kind).inc()
+                log.warning(
+                    "room=%d done from prefill rank %d came without an intact aux record (%s); waiting",
+                    job.id,
+                    p,
+                    kind,
+                    extra={"room": job.id},
+                )
+                if job.aux_missing_since is None:
+                    job.aux_missing_since = time.monotonic()
+            self.set_local(job, RoomState.TRANSFERRING)
+            return
+        assert isinstance(verdict, Ready)
+        job.first_token = verdict.aux.first_token
+        job.timings["request_to_success_s"] = time.perf_counter() - job.requested_at
+        self.set_local(job, RoomState.SUCCESS, digest=record_digest(verdict.record))
 
-    def _on_released(self, msg: protocol.RoomReleased) -> None:
+    def _on_released(self, msg: protocol.RoomReleased, sender: str | None) -> None:
         self.check_rank(msg.rank, msg.room)
         job = self.fenced.get(msg.room) or self.rooms.live.get(msg.room)
         if not isinstance(job, DecodeJob) or msg.prefill_rank not in job.leased:
             raise RejectedMessage("release for a room holding no lease", room=msg.room, kind="unknown_room")
+        self.check_sender(sender, job.prefill_ranks[msg.prefill_rank], msg.room)
         job.leased.discard(msg.prefill_rank)
-        if msg.reason:
+        if msg.reason and not job.state.terminal:
             # The prefill gave the room up: it cannot succeed any more.
-            self._fail(job, msg.reason)
+            self.set_local(job, RoomState.FAILED, msg.reason)
         # An empty reason: that rank finished writing; the room's own timeouts still rule.
         if job.state.terminal:
             self._release(job)
 
     def _on_abort(self, msg: protocol.AbortRoom) -> None:
-        self.check_origin(msg)
         job = self.rooms.live.get(msg.room)
         if job is None:
             log.debug("room=%d abort for a room not live here", msg.room, extra={"room": msg.room})
             return
         assert isinstance(job, DecodeJob)
-        if msg.reason == FailureReason.PEER_LOST:
-            job.leased.clear()  # a dead process writes nothing more
-        self._fail(job, msg.reason)
+        if msg.peer_gone:
+            job.leased.clear()  # the prefill node is gone: nothing more is written
+        if job.state is RoomState.SUCCESS:
+            job.abort_reason = msg.reason  # every rank decodes to the end; the output is dropped
+            return
+        self.set_local(job, RoomState.FAILED, msg.reason)
 
-    # -- work and release ---------------------------------------------------------------
+    # -- the agreed states ----------------------------------------------------------
 
-    async def _decode(self, job: DecodeJob, first_token: int) -> None:
+    def on_agreed(self, room: int, state: RoomState, reason: str | None) -> None:
+        job = self.rooms.live.get(room)
+        if not isinstance(job, DecodeJob):
+            return
+        if state is RoomState.FAILED:
+            self._failed(job, reason or FailureReason.ABORTED)
+            return
+        job.advance_to(state)
+        if state is RoomState.SUCCESS:
+            self._succeeded(job)
+
+    def _succeeded(self, job: DecodeJob) -> None:
+        done_at = max(job.completed_at.values(), default=time.time())
+        aux_latency = max(0.0, time.time() - done_at)
+        job.timings["aux_latency_s"] = aux_latency
+        self.metrics.aux_latency.observe(aux_latency)
+        self._free_slots(job)
+        job.decoding = True
+        on_token = self._streamer(job) if job.stream else None
+        args = (
+            job.id,
+            self.pool,
+            job.pages,
+            job.prompt_len,
+            job.first_token,
+            job.max_new_tokens,
+            job.stop,
+            on_token,
+        )
+        if self.source.inline:
+            self.spawn(self._decoded(job, None, args))
+        else:
+            # Submitted now, in the agreed order: the order of the ranks' collectives.
+            self.spawn(self._decoded(job, self.model.submit(self.source.decode, *args), args))
+
+    def _streamer(self, job: DecodeJob) -> Callable[[int], None]:
+        offset = 0
+
+        def on_token(token: int) -> None:
+            nonlocal offset
+            self.loop.call_soon_threadsafe(self.node.tokens, job.id, offset, [token])
+            offset += 1
+
+        return on_token
+
+    async def _decoded(
+        self, job: DecodeJob, future: "concurrent.futures.Future[Decoded] | None", args: tuple[Any, ...]
+    ) -> None:
         started = time.perf_counter()
+        outcome: str = "completed"
+        reason: str | None = None
         try:
-            if self.settings.kv_mode == "synthetic":
-                kv_pages = job.pages[: self.layout.pages_for(job.prompt_len)]
-                verified = synthetic_kv.verify(self.pool, kv_pages, job.id)  # two tensor reads
-                job.timings["kv_verified"] = float(verified)
-                if not verified:
-                    log.error("room=%d synthetic KV did not land intact", job.id, extra={"room": job.id})
-                job.output_ids = []
-            else:
-                job.output_ids = await asyncio.to_thread(
-                    self.model.decode, self.pool, job.pages, job.prompt_len, first_token, job.max_new_tokens
-                )
+            result = self.source.decode(*args) if future is None else await asyncio.wrap_future(future)
+            job.output_ids, job.finish_reason = result.output_ids, result.finish_reason
             job.timings["decode_s"] = time.perf_counter() - started
         except Exception:
             log.exception("room=%d decode failed", job.id, extra={"room": job.id})
-            job.reason = FailureReason.DECODE_FAILED
+            outcome, reason = "failed", FailureReason.DECODE_FAILED
         finally:
             job.decoding = False
             self._release(job)
-        self.report(job)
+        if job.abort_reason is not None:
+            outcome, reason, job.output_ids = "failed", job.abort_reason, None
+        job.end(outcome, reason)
+        if outcome == "failed":
+            self.metrics.failures.labels(reason or "unknown").inc()
+        self.finished(job)
 
-    def _fail(self, job: DecodeJob, reason: str) -> None:
+    def _failed(self, job: DecodeJob, reason: str) -> None:
         if not job.fail(reason):
             return
         # Tell prefill ranks that still hold our pages to stop; they answer with a release.
-        for rank in job.leased:
-            peer = job.prefill_ranks[rank]
-            self.send(
-                peer.zmq_endpoint,
-                protocol.encode(
-                    protocol.AbortRoom(room=job.id, rank=rank, token=self.token or "-", reason=str(reason))
-                ),
-            )
+        for prefill_rank in job.leased:
+            abort = protocol.AbortRoom(room=job.id, rank=prefill_rank, reason=str(reason))
+            self.rank.send(job.prefill_ranks[prefill_rank], abort)
         job.lease_deadline = time.monotonic() + self.settings.lease_timeout_s
         self._release(job)
 
+    # -- release --------------------------------------------------------------------
+
+    def _free_slots(self, job: DecodeJob) -> None:
+        for slot in job.slots.values():
+            self.aux.free(slot)  # aux never arrives by DMA: safe at once
+        job.slots.clear()
+
     def _release(self, job: DecodeJob) -> None:
         """Give back what the room holds, as far as no peer or worker still uses it."""
-        if job.aux_slot is not None:
-            self.aux.free(job.aux_slot)  # aux never arrives by DMA: safe at once
-            job.aux_slot = None
+        self._free_slots(job)
         if job.decoding or not job.pages:
             return
         if job.leased:
@@ -301,26 +421,28 @@ class DecodeService(NodeService):
         self.pool.free(job.pages)
         job.pages = []
 
-    def _timed_out(self, job: DecodeJob, now_wall: float, now: float) -> FailureReason | None:
+    # -- time -------------------------------------------------------------------------
+
+    def _timed_out(self, job: DecodeJob, now: float) -> FailureReason | None:
         s = self.settings
-        waited = now_wall - job.timestamps[job.state.name]
-        if job.state is RoomState.BOOTSTRAPPING and waited > s.bootstrap_timeout_s:
+        waited = now - job.local_since
+        if job.local is RoomState.BOOTSTRAPPING and waited > s.bootstrap_timeout_s:
             return FailureReason.BOOTSTRAP_TIMEOUT
-        if job.state is RoomState.WAITING_FOR_INPUT and waited > s.waiting_timeout_s:
+        if job.local is RoomState.WAITING_FOR_INPUT and waited > s.waiting_timeout_s:
             return FailureReason.WAITING_TIMEOUT
-        if job.state is RoomState.TRANSFERRING:
+        if job.local is RoomState.TRANSFERRING:
             if job.aux_missing_since is not None and now - job.aux_missing_since > s.aux_timeout_s:
                 return FailureReason.AUX_TIMEOUT
             if waited > s.transfer_timeout_s:
                 return FailureReason.TRANSFER_TIMEOUT
         return None
 
-    def _check_timeouts(self, now_wall: float, now: float) -> None:
+    def check_timeouts(self, now: float) -> None:
         for job in list(self.rooms.live.values()):
             assert isinstance(job, DecodeJob)
-            reason = self._timed_out(job, now_wall, now)
+            reason = self._timed_out(job, now)
             if reason is not None:
-                self._fail(job, reason)
+                self.set_local(job, RoomState.FAILED, reason)
         for job in list(self.fenced.values()):
             if job.lease_deadline < now:
                 log.warning(
@@ -333,6 +455,6 @@ class DecodeService(NodeService):
                 self._release(job)
 
     async def background(self) -> None:
-        while not self._stop.is_set():
-            self._check_timeouts(time.time(), time.monotonic())
+        while True:
+            self.check_timeouts(time.monotonic())
             await asyncio.sleep(0.2)

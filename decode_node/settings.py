@@ -11,7 +11,9 @@ class DecodeSettings(NodeSettings):
 
     http_port: int = Field(8200, ge=1, le=65535, description="HTTP port (health, metrics)")
     zmq_port: int = Field(8201, ge=1, le=65535, description="ZMQ port (rank r binds zmq_port + r)")
-    aux_slots: int = Field(1024, ge=1, description="aux metadata slots, one per room in flight")
+    aux_slots: int = Field(
+        1024, ge=1, description="aux metadata slots per rank, one per room and prefill rank"
+    )
     bootstrap_timeout_s: float = Field(
         10.0, gt=0, description="seconds a room may wait for its prefill ranks to accept the request"
     )
@@ -22,10 +24,5 @@ class DecodeSettings(NodeSettings):
         60.0, gt=0, description="seconds a room may spend between the first write and done+aux"
     )
     aux_timeout_s: float = Field(
-        5.0, gt=0, description="seconds a room may wait for its aux once the KV is done"
-    )
-    lease_timeout_s: float = Field(
-        60.0,
-        gt=0,
-        description="seconds a failed room's pages stay fenced while its prefill may still write",
+        5.0, gt=0, description="seconds a room may wait for an intact aux record once the KV is done"
     )

@@ -1,18 +1,13 @@
 """python -m prefill_node [--help]"""
 
-import uvloop
-
 from prefill_node.service import PrefillService
 from prefill_node.settings import PrefillSettings
-from shared.logs import configure_logging
-from shared.model import configure_determinism
+from shared.cli import parse_settings
+from shared.runtime import run_node
 
 
 def main() -> None:
-    settings = PrefillSettings(_cli_parse_args=True)  # type: ignore[call-arg]
-    configure_logging(settings.log_level, settings.log_format, "prefill")
-    configure_determinism()
-    uvloop.run(PrefillService(settings).run())
+    run_node("prefill", parse_settings(PrefillSettings), PrefillService)
 
 
 if __name__ == "__main__":

@@ -1,266 +1,417 @@
-"""The prefill node: computes a room's KV, writes it into the decode node, then sends done+aux.
+"""A prefill rank: computes a room's KV for its heads, writes it into the decode ranks that hold them,
+then sends each its done+aux.
 
-Per room: BOOTSTRAPPING while the model runs, WAITING_FOR_INPUT until the
-decode's transfer request is in (a valid request is acknowledged at once),
-TRANSFERRING while the engine writes, SUCCESS once the writes completed and the
-done+aux message was queued. A room that fails or is aborted tells its decode
-ranks that their pages are released.
+Per room, on this rank: BOOTSTRAPPING while the model runs, WAITING_FOR_INPUT
+until the decode ranks' transfer requests are in (a valid request is
+acknowledged at once), TRANSFERRING while the engine writes, SUCCESS once every
+write completed and every done+aux was queued. The room's state is what the
+node's ranks agreed: SUCCESS when every rank finished, FAILED when one failed.
+
+Ownership of pages: our pages are read by the engine until a write is
+resolved. A write that failed is resolved; one that gave up while it may
+still move is not, until the engine says it finished (or the room's lease
+ends). A decode rank is told its pages are released (RoomReleased) only once
+nothing we wrote into them can still move.
 """
 
 import asyncio
+import concurrent.futures
 import logging
 import time
 
 from prefill_node.settings import PrefillSettings
-from prefill_node.transfer_worker import TransferOutcome, TransferTask, TransferWorker
-from shared import protocol, synthetic_kv
+from prefill_node.transfer_worker import Digests, TransferOutcome, TransferTask, TransferWorker
+from shared import protocol
+from shared.agreement import Participant
 from shared.aux_buffers import Aux
 from shared.errors import PoolExhausted, RejectedMessage
-from shared.node import NodeService
+from shared.head_split import HeadRange, kv_heads, writers
+from shared.kv_layout import plan_writes
+from shared.metrics import ServiceMetrics
+from shared.rank import NodeHooks, Rank, RankRoom, RankService
 from shared.room import Room
 from shared.states import FailureReason, RoomState
-from shared.transfer import TransferEngine, coalesce
 
 log = logging.getLogger(__name__)
 
 
-class PrefillJob(Room):
+class PrefillJob(RankRoom):
     def __init__(self, msg: protocol.PrefillRoom, service: "PrefillService"):
         super().__init__(msg.room, service.room_changed)
         self.input_ids = msg.input_ids
         self.decode_ranks = {peer.rank: peer for peer in msg.decode_ranks}
+        self.targets: dict[int, HeadRange] = {}  # decode rank -> the heads we write into it
+        self.requests: dict[int, protocol.TransferRequest] = {}
         self.pages: list[int] = []
         self.first_token = 0
         self.logprob = 0.0
-        self.request: protocol.TransferRequest | None = None
-        self.busy = False  # the model or the engine is using the pages
+        self.computing = False
+        self.computed = False
+        self.writing: set[int] = set()  # decode ranks whose write is with the worker
+        self.written: set[int] = set()  # decode ranks sent their done+aux
+        self.unresolved: set[int] = set()  # decode ranks our write to may still move into
+        self.released: set[int] = set()  # decode ranks told their pages are free
+        self.lease_deadline = float("inf")
 
 
-class PrefillService(NodeService):
+class PrefillService(RankService):
     role = "prefill"
     settings: PrefillSettings
     # The room's visible progress is the decode's; the prefill reports how it ended.
     reported_states = frozenset({RoomState.SUCCESS, RoomState.FAILED})
 
-    def __init__(self, settings: PrefillSettings, engine: TransferEngine | None = None):
-        super().__init__(settings, engine)
-        # Transfer requests whose room has not reached us yet: room -> (request, deadline).
-        self.early: dict[int, tuple[protocol.TransferRequest, float]] = {}
+    def __init__(self, rank: Rank, node: NodeHooks, agree: Participant, metrics: ServiceMetrics):
+        super().__init__(rank, node, agree, metrics)
+        s = self.settings
+        # Transfer requests whose room has not reached us yet: room -> [(request, sender, deadline)].
+        self.early: dict[int, list[tuple[protocol.TransferRequest, str | None, float]]] = {}
+        self.node_heads = [
+            kv_heads(r, s.tp_size, self.source.identity.num_kv_heads) for r in range(s.tp_size)
+        ]
+        # A rank that fails a room still runs its model for it: the collectives of the node's
+        # ranks must pair up. A rank alone, or a source without collectives, can skip it.
+        self.always_compute = s.tp_size > 1 and not self.source.inline
         self.worker = TransferWorker(
-            self.engine, lambda outcome: self.loop.call_soon_threadsafe(self._transfer_finished, outcome)
+            rank.engine,
+            rank.security,
+            lambda outcome: self.loop.call_soon_threadsafe(self._transfer_finished, outcome),
+            lambda room, d: self.loop.call_soon_threadsafe(self._write_resolved, room, d),
+            s.write_timeout_s,
         )
 
     def shutdown(self) -> None:
+        super().shutdown()
         self.worker.close()
 
-    def handle(self, msg: protocol.Message, aux: memoryview | None) -> None:
+    def health(self) -> protocol.RankHealth:
+        return protocol.RankHealth(
+            rank=self.rank.index,
+            free_pages=self.pool.free_pages,
+            total_pages=self.pool.num_pages,
+            free_aux_slots=0,
+            total_aux_slots=0,
+            rooms_in_flight=len(self.rooms.live),
+            fenced_rooms=self.worker.quarantined,
+        )
+
+    def holds(self, room: Room) -> bool:
+        assert isinstance(room, PrefillJob)
+        return bool(room.pages) or room.computing or bool(room.writing)
+
+    def handle_assignment(self, msg: protocol.PrefillRoom | protocol.DecodeRoom | protocol.AbortRoom) -> None:
         if isinstance(msg, protocol.PrefillRoom):
             self._on_room(msg)
-        elif isinstance(msg, protocol.TransferRequest):
-            self._on_request(msg)
         elif isinstance(msg, protocol.AbortRoom):
-            self._on_abort(msg)
+            self._on_abort(msg, None)
         else:
             raise RejectedMessage(f"a prefill node does not take {type(msg).__name__}", kind="unexpected")
+
+    def handle_peer(self, msg: protocol.Message, aux: memoryview | None, sender: str | None) -> None:
+        if isinstance(msg, protocol.TransferRequest):
+            self._on_request(msg, sender)
+        elif isinstance(msg, protocol.AbortRoom):
+            self._on_abort(msg, sender)
+        else:
+            raise RejectedMessage(f"a prefill rank does not take {type(msg).__name__}", kind="unexpected")
 
     # -- messages -----------------------------------------------------------------
 
     def _on_room(self, msg: protocol.PrefillRoom) -> None:
-        self.check_origin(msg)
         if self.rooms.find(msg.room) is not None:
             raise RejectedMessage("room already known", room=msg.room, kind="duplicate")
         job = PrefillJob(msg, self)
         self.rooms.add(job)
         try:
+            for peer in msg.decode_ranks:
+                heads = HeadRange(peer.kv_head_start, peer.kv_head_count)
+                mine = writers(self.node_heads, heads, peer.rank).get(self.rank.index)
+                if mine is not None:
+                    job.targets[peer.rank] = mine
             job.pages = self.pool.alloc(self.layout.pages_for(len(msg.input_ids)))
-        except PoolExhausted as exc:
+        except (PoolExhausted, ValueError) as exc:
             log.warning("room=%d %s", job.id, exc, extra={"room": job.id})
-            self._fail(job, FailureReason.NO_CAPACITY)
-            return
-        if self.settings.kv_mode == "synthetic":
-            # Two tensor writes stand in for the model: done here, the room is ready at once.
-            started = time.perf_counter()
-            synthetic_kv.fill(self.pool, job.pages, job.id)
-            self._kv_ready(job, 0, 0.0, time.perf_counter() - started)
-        else:
-            job.busy = True
-            self.spawn(self._compute(job))
-        early = self.early.pop(msg.room, None)
-        if early is not None:
-            self._on_request(early[0])
+            self.set_local(
+                job,
+                RoomState.FAILED,
+                FailureReason.NO_CAPACITY if isinstance(exc, PoolExhausted) else FailureReason.PREFILL_FAILED,
+            )
+        self._compute(job)
+        for req, sender, _ in self.early.pop(msg.room, []):
+            try:
+                self._on_request(req, sender)
+            except RejectedMessage as exc:
+                self.metrics.rejected.labels(exc.kind).inc()
+                log.warning(
+                    "room=%d dropped early request (%s): %s", job.id, exc.kind, exc, extra={"room": job.id}
+                )
 
-    def _on_request(self, req: protocol.TransferRequest) -> None:
+    def _compute(self, job: PrefillJob) -> None:
+        if job.local.terminal and not self.always_compute:
+            self._settle(job)
+            return
+        pages = job.pages or None  # a rank without pages for the room computes and stores nothing
+        if self.source.inline:
+            started = time.perf_counter()
+            first, logprob = self.source.prefill(job.id, self.pool, job.pages, job.input_ids)
+            self.pool.synchronize()
+            self._kv_ready(job, first, logprob, time.perf_counter() - started)
+            return
+        job.computing = True
+        # Submitted now, in the order the leader gave the rooms: the order of the ranks' collectives.
+        future = self.model.submit(self._prefill, job.id, pages, job.input_ids)
+        self.spawn(self._computed(job, future))
+
+    def _prefill(self, room: int, pages: list[int] | None, input_ids: list[int]) -> tuple[int, float]:
+        """In the model thread: the KV, synchronised before anything hands its pages to the engine."""
+        result = self.source.prefill(room, self.pool, pages, input_ids)
+        self.pool.synchronize()
+        return result
+
+    async def _computed(
+        self, job: PrefillJob, future: "concurrent.futures.Future[tuple[int, float]]"
+    ) -> None:
+        started = time.perf_counter()
+        try:
+            first, logprob = await asyncio.wrap_future(future)
+        except Exception:
+            log.exception("room=%d prefill failed", job.id, extra={"room": job.id})
+            job.computing = False
+            self.set_local(job, RoomState.FAILED, FailureReason.PREFILL_FAILED)
+            self._settle(job)
+            return
+        job.computing = False
+        self._kv_ready(job, first, logprob, time.perf_counter() - started)
+
+    def _kv_ready(self, job: PrefillJob, first_token: int, logprob: float, seconds: float) -> None:
+        job.first_token, job.logprob, job.computed = first_token, logprob, True
+        job.timings["prefill_s"] = seconds
+        if job.local.terminal:  # failed or aborted while the model ran
+            self._settle(job)
+            return
+        if not job.targets:  # every head this rank holds is written by another
+            self.set_local(job, RoomState.SUCCESS)
+            return
+        self.set_local(job, RoomState.WAITING_FOR_INPUT)
+        for decode_rank in job.requests:
+            self._start_transfer(job, decode_rank)
+
+    def _on_request(self, req: protocol.TransferRequest, sender: str | None) -> None:
         self.check_rank(req.rank, req.room)
         job = self.rooms.live.get(req.room)
         if job is None:
             if self.rooms.find(req.room) is not None:
                 raise RejectedMessage("transfer request for a finished room", room=req.room, kind="finished")
-            if len(self.early) >= self.settings.max_early_requests:
+            if sum(len(v) for v in self.early.values()) >= self.settings.max_early_requests:
                 raise RejectedMessage("too many early transfer requests", room=req.room, kind="overload")
-            # The bootstrap's hand-off may still be in flight on another socket.
-            self.early[req.room] = (req, time.monotonic() + self.settings.early_request_ttl_s)
+            # The bootstrap's hand-off may still be in flight on another socket; who sent
+            # the request is checked when the room arrives.
+            deadline = time.monotonic() + self.settings.early_request_ttl_s
+            self.early.setdefault(req.room, []).append((req, sender, deadline))
             return
         assert isinstance(job, PrefillJob)
-        self._validate_request(job, req)
-        job.request = req
-        if job.state is RoomState.WAITING_FOR_INPUT and not job.busy:
-            self._start_transfer(job)
+        self._validate_request(job, req, sender)
+        job.requests[req.decode_rank] = req
+        if job.computed and not job.local.terminal:
+            self._start_transfer(job, req.decode_rank)
         # After the write is handed over: the accept may follow the start notice,
         # which the decode allows for.
-        self.send(
-            req.aux_endpoint,
-            protocol.encode(
-                protocol.TransferAccepted(room=job.id, rank=req.decode_rank, prefill_rank=self.rank)
-            ),
-        )
+        accepted = protocol.TransferAccepted(room=job.id, rank=req.decode_rank, prefill_rank=self.rank.index)
+        self.rank.send(job.decode_ranks[req.decode_rank], accepted)
 
-    def _validate_request(self, job: PrefillJob, req: protocol.TransferRequest) -> None:
+    def _validate_request(self, job: PrefillJob, req: protocol.TransferRequest, sender: str | None) -> None:
         def reject(why: str, kind: str = "invalid") -> RejectedMessage:
             return RejectedMessage(f"transfer request: {why}", room=job.id, kind=kind)
 
         peer = job.decode_ranks.get(req.decode_rank)
         if peer is None:
             raise reject(f"decode rank {req.decode_rank} is not this room's", "bad_rank")
-        if req.session_id != peer.session_id or req.aux_endpoint != peer.zmq_endpoint:
-            raise reject("sender is not the room's decode rank", "wrong_peer")
-        if job.request is not None:
+        self.check_sender(sender, peer, job.id)
+        if req.decode_rank not in job.targets:
+            raise reject(f"this rank writes nothing into decode rank {req.decode_rank}", "bad_rank")
+        if req.decode_rank in job.requests:
             raise reject("duplicate", "duplicate")
-        if req.page_bytes != self.layout.page_bytes:
-            raise reject(f"page of {req.page_bytes} bytes, ours are {self.layout.page_bytes}")
-        if len(req.page_indices) != len(job.pages):
+        want = peer.kv_head_count * self.layout.head_bytes
+        if req.page_bytes != want:
+            raise reject(f"page of {req.page_bytes} bytes, {peer.kv_head_count} heads take {want}")
+        if len(req.page_indices) != self.layout.pages_for(len(job.input_ids)):
             raise reject(f"{len(req.page_indices)} pages offered, {len(job.pages)} needed")
         if any(not 0 <= p < req.num_pages for p in req.page_indices):
             raise reject(f"page index outside the peer's {req.num_pages} pages", "out_of_range")
         if len(set(req.page_indices)) != len(req.page_indices):
             raise reject("repeated page index", "out_of_range")
 
-    def _on_abort(self, msg: protocol.AbortRoom) -> None:
-        self.check_origin(msg)
-        self.early.pop(msg.room, None)
+    def _on_abort(self, msg: protocol.AbortRoom, sender: str | None) -> None:
+        """From the bootstrap (``sender`` None: the leader handed it on) or a decode rank of the room."""
+        if sender is None:
+            self.early.pop(msg.room, None)
         job = self.rooms.find(msg.room)
         if job is None:
             log.debug("room=%d abort for a room not known here", msg.room, extra={"room": msg.room})
             return
         assert isinstance(job, PrefillJob)
+        if sender is not None:
+            self.check_rank(msg.rank, msg.room)
+            peers = [p for p in job.decode_ranks.values() if p.public_key == sender]
+            if not peers:
+                raise RejectedMessage(
+                    "abort from a key that is not the room's", room=job.id, kind="unauthorized"
+                )
+            if job.state.terminal and peers[0].rank in job.written:
+                # Already done writing: say so, so the decode can stop fencing its pages.
+                self._release_to(job, peers[0].rank)
+                return
+        self.worker.cancel(job.id)
+        self.set_local(job, RoomState.FAILED, msg.reason)
         if job.state.terminal:
-            # Already done writing: say so, so the decode can stop fencing its pages.
-            self._release(job)
-            return
-        if job.state is RoomState.TRANSFERRING:
-            self.worker.cancel(job.id)
-        self._fail(job, msg.reason)
+            self._settle(job)
 
-    # -- work -----------------------------------------------------------------------
+    # -- writes -----------------------------------------------------------------------
 
-    async def _compute(self, job: PrefillJob) -> None:
-        started = time.perf_counter()
-        try:
-            first, logprob = await asyncio.to_thread(self.model.prefill, self.pool, job.pages, job.input_ids)
-        except Exception:
-            log.exception("room=%d prefill failed", job.id, extra={"room": job.id})
-            job.busy = False
-            self._fail(job, FailureReason.PREFILL_FAILED)
-            return
-        self._kv_ready(job, first, logprob, time.perf_counter() - started)
-
-    def _kv_ready(self, job: PrefillJob, first_token: int, logprob: float, seconds: float) -> None:
-        job.busy = False
-        job.first_token, job.logprob = first_token, logprob
-        job.timings["prefill_s"] = seconds
-        if job.state.terminal:  # aborted while the model ran
-            self._release(job)
-            return
-        job.advance(RoomState.WAITING_FOR_INPUT)
-        if job.request is not None:
-            self._start_transfer(job)
-
-    def _start_transfer(self, job: PrefillJob) -> None:
-        req = job.request
-        assert req is not None
-        job.busy = True
-        writes = coalesce(
-            self.pool.base_ptr, job.pages, req.kv_base_ptr, req.page_indices, self.layout.page_bytes
+    def _start_transfer(self, job: PrefillJob, decode_rank: int) -> None:
+        req = job.requests[decode_rank]
+        peer = job.decode_ranks[decode_rank]
+        heads, mine = job.targets[decode_rank], self.source.kv_heads
+        hb = self.layout.head_bytes
+        writes = plan_writes(
+            self.pool.base_ptr,
+            self.layout.page_bytes,
+            job.pages,
+            req.kv_base_ptr,
+            req.page_bytes,
+            req.page_indices,
+            (heads.start - mine.start) * hb,
+            (heads.start - peer.kv_head_start) * hb,
+            heads.count * hb,
         )
-        job.timings["engine_writes"] = len(writes)
+        job.timings["engine_writes"] = job.timings.get("engine_writes", 0) + len(writes)
         # Done and aux travel in one message, which the worker sends once every write completed.
         done = protocol.KvDone(
             room=job.id,
-            rank=req.decode_rank,
-            prefill_rank=self.rank,
+            rank=decode_rank,
+            prefill_rank=self.rank.index,
             aux_slot=req.aux_slot,
             pages_written=len(req.page_indices),
             bytes_written=0,
             completed_at=0.0,
         )
         aux = Aux(job.id, job.first_token, len(job.input_ids), job.logprob).pack()
-        self.worker.submit(TransferTask(job.id, req.session_id, writes, req.aux_endpoint, done, aux))
+        digests = None
+        if self.settings.verify_kv:
+            digests = Digests(self.pool, job.pages, (heads.start - mine.start) * hb, heads.count * hb)
+        job.writing.add(decode_rank)
+        self.worker.submit(TransferTask(job.id, decode_rank, peer, writes, done, aux, digests))
         # Notices go after the hand-off: each send wakes a ZMQ I/O thread, which
         # costs more than the worker needs to start the write.
-        job.advance(RoomState.TRANSFERRING)
-        started = protocol.TransferStarted(room=job.id, rank=req.decode_rank, prefill_rank=self.rank)
-        self.send(req.aux_endpoint, protocol.encode(started))
+        self.set_local(job, RoomState.TRANSFERRING)
+        started = protocol.TransferStarted(room=job.id, rank=decode_rank, prefill_rank=self.rank.index)
+        self.rank.send(peer, started)
 
     def _transfer_finished(self, outcome: TransferOutcome) -> None:
-        """On the event loop, after the worker wrote a room's KV (and sent its done+aux)."""
-        room = outcome.task.room
-        self.worker.forget(room)
-        job = self.rooms.find(room)
+        """On the event loop, after the worker wrote into one decode rank (and sent its done+aux)."""
+        task = outcome.task
+        job = self.rooms.find(task.room)
         assert isinstance(job, PrefillJob)
-        job.busy = False
-        if outcome.error is not None:
-            log.warning("room=%d KV write failed: %s", room, outcome.error, extra={"room": room})
-            job.fail(FailureReason.TRANSFER_FAILED)
-            self._release(job)
-            return
-        job.timings["transfer_s"] = outcome.seconds
-        job.timings["bytes_written"] = outcome.written
-        self.metrics.transfer_bytes.inc(outcome.written)
-        self.metrics.transfer_seconds.observe(outcome.seconds)
-        if outcome.sent and not job.state.terminal:
-            job.advance(RoomState.SUCCESS)
-            self._free_pages(job)
-            return
-        job.fail(FailureReason.PEER_LOST)  # done+aux could not be queued; no-op if aborted meanwhile
-        self._release(job)
-
-    def _fail(self, job: PrefillJob, reason: str) -> None:
-        if job.fail(reason):
-            self._release(job)
-
-    def _release(self, job: PrefillJob) -> None:
-        """After a failure: free our pages and tell the decode ranks theirs are safe to reuse."""
-        if job.busy:
-            return  # the worker calls back here when it returns
-        self._free_pages(job)
-        for peer in job.decode_ranks.values():
-            self.send(
-                peer.zmq_endpoint,
-                protocol.encode(
-                    protocol.RoomReleased(
-                        room=job.id, rank=peer.rank, prefill_rank=self.rank, reason=job.reason or ""
-                    )
-                ),
+        job.writing.discard(task.decode_rank)
+        if outcome.unresolved:
+            log.warning(
+                "room=%d KV write gave up while it may still move: %s",
+                job.id,
+                outcome.error,
+                extra={"room": job.id},
             )
+            job.unresolved.add(task.decode_rank)
+            job.lease_deadline = time.monotonic() + self.settings.lease_timeout_s
+            self.set_local(job, RoomState.FAILED, FailureReason.TRANSFER_TIMEOUT)
+        elif outcome.error is not None:
+            log.warning("room=%d KV write failed: %s", job.id, outcome.error, extra={"room": job.id})
+            self.set_local(job, RoomState.FAILED, FailureReason.TRANSFER_FAILED)
+        elif outcome.sent:
+            job.written.add(task.decode_rank)
+            job.timings["transfer_s"] = job.timings.get("transfer_s", 0.0) + outcome.seconds
+            job.timings["bytes_written"] = job.timings.get("bytes_written", 0) + outcome.written
+            self.metrics.transfer_bytes.inc(outcome.written)
+            self.metrics.transfer_seconds.observe(outcome.seconds)
+            if job.written == set(job.targets):
+                self.set_local(job, RoomState.SUCCESS)
+        elif not outcome.cancelled:
+            self.set_local(job, RoomState.FAILED, FailureReason.PEER_LOST)  # done+aux could not be queued
+        self._settle(job)
 
-    def _free_pages(self, job: PrefillJob) -> None:
+    def _write_resolved(self, room: int, decode_rank: int) -> None:
+        """A write that had given up is over now: nothing of it moves any more."""
+        job = self.rooms.find(room)
+        if isinstance(job, PrefillJob) and decode_rank in job.unresolved:
+            log.info("room=%d the write that gave up has ended", room, extra={"room": room})
+            job.unresolved.discard(decode_rank)
+            self._settle(job)
+
+    # -- the agreed states ----------------------------------------------------------
+
+    def on_agreed(self, room: int, state: RoomState, reason: str | None) -> None:
+        job = self.rooms.find(room)
+        if not isinstance(job, PrefillJob) or job.state.terminal:
+            return
+        if state is RoomState.FAILED:
+            self.worker.cancel(job.id)
+            job.fail(reason or FailureReason.ABORTED)
+        else:
+            job.advance_to(state)
+        self._settle(job)
+
+    def _settle(self, job: PrefillJob) -> None:
+        """Once the room ended and our work for it stopped: free our pages, release the decode's."""
+        if not job.state.terminal or job.computing or job.writing:
+            return  # a callback comes back here when they end
+        for decode_rank in job.targets:
+            if decode_rank not in job.written and decode_rank not in job.unresolved:
+                self._release_to(job, decode_rank)
+        if job.unresolved:
+            return  # our pages may still be read by a write that gave up
+        self.worker.forget(job.id)
         if job.pages:
             self.pool.free(job.pages)
             job.pages = []
+        self.finished(job)
+
+    def _release_to(self, job: PrefillJob, decode_rank: int) -> None:
+        if decode_rank in job.released:
+            return
+        job.released.add(decode_rank)
+        reason = "" if job.state is RoomState.SUCCESS else job.reason or ""
+        msg = protocol.RoomReleased(
+            room=job.id, rank=decode_rank, prefill_rank=self.rank.index, reason=reason
+        )
+        self.rank.send(job.decode_ranks[decode_rank], msg)
+
+    # -- time -------------------------------------------------------------------------
+
+    def check_timeouts(self, now: float) -> None:
+        for job in list(self.rooms.live.values()):
+            assert isinstance(job, PrefillJob)
+            waited = now - job.local_since
+            if job.local is RoomState.WAITING_FOR_INPUT and waited > self.settings.waiting_timeout_s:
+                self.set_local(job, RoomState.FAILED, FailureReason.WAITING_TIMEOUT)
+            if job.unresolved and job.lease_deadline < now:
+                log.warning(
+                    "room=%d lease ended with writes still unresolved; pages reused",
+                    job.id,
+                    extra={"room": job.id},
+                )
+                job.unresolved.clear()
+                self._settle(job)
+        for room, waiting in list(self.early.items()):
+            kept = [entry for entry in waiting if entry[2] >= now]
+            for _ in range(len(waiting) - len(kept)):
+                self.metrics.rejected.labels("expired").inc()
+                log.warning(
+                    "room=%d transfer request expired before its room arrived", room, extra={"room": room}
+                )
+            if kept:
+                self.early[room] = kept
+            else:
+                del self.early[room]
 
     async def background(self) -> None:
-        while not self._stop.is_set():
-            now = time.monotonic()
-            deadline = time.time() - self.settings.waiting_timeout_s
-            for job in list(self.rooms.live.values()):
-                waiting_since = job.timestamps.get(RoomState.WAITING_FOR_INPUT.name, float("inf"))
-                if job.state is RoomState.WAITING_FOR_INPUT and waiting_since < deadline:
-                    assert isinstance(job, PrefillJob)
-                    self._fail(job, FailureReason.WAITING_TIMEOUT)
-            for room, (_, deadline) in list(self.early.items()):
-                if deadline < now:
-                    del self.early[room]
-                    self.metrics.rejected.labels("expired").inc()
-                    log.warning(
-                        "room=%d transfer request expired before its room arrived", room, extra={"room": room}
-                    )
-            await asyncio.sleep(0.5)
+        while True:
+            self.check_timeouts(time.monotonic())
+            await asyncio.sleep(0.2)

@@ -2,6 +2,7 @@ from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from shared.settings import NodeSettings
+from shared.transfer import WRITE_TIMEOUT_S
 
 
 class PrefillSettings(NodeSettings):
@@ -13,6 +14,9 @@ class PrefillSettings(NodeSettings):
     zmq_port: int = Field(8101, ge=1, le=65535, description="ZMQ port (rank r binds zmq_port + r)")
     waiting_timeout_s: float = Field(
         30.0, gt=0, description="seconds a computed room may wait for its decode's transfer request"
+    )
+    write_timeout_s: float = Field(
+        WRITE_TIMEOUT_S, gt=0, description="seconds a KV write may take (plus one per GB) before it gives up"
     )
     early_request_ttl_s: float = Field(
         10.0, gt=0, description="how long a transfer request that beat its room is kept"

@@ -1,19 +1,23 @@
-"""CPU buffers for the per-room aux metadata, one slot per room in flight.
+"""CPU buffers for the per-room aux metadata, one slot per room and prefill rank in flight.
 
-The aux record is the fixed little-endian layout below. It arrives as the
-third frame of a DONE_AUX message, is copied into the room's slot, and the
-room is validated from what landed in the slot, not from the frame.
+The aux record is the fixed little-endian layout below, ending in a crc32 of
+everything before it (the room id included), so a record changed anywhere on
+the way never reads as intact. It arrives as the third frame of a DONE_AUX
+message, is copied into its slot, and the room is validated from what landed
+in the slot, not from the frame.
 """
 
 import collections
 import struct
+import zlib
 from dataclasses import dataclass
 
 from shared.errors import AuxValidationError, PoolExhausted
 
 # room id (int64), first output token (int32), cached-token count (int32),
-# logprob of the first token (float32)
-AUX_RECORD = struct.Struct("<qiif")
+# logprob of the first token (float32), crc32 of the 20 bytes before it (uint32)
+AUX_RECORD = struct.Struct("<qiifI")
+_FIELDS = struct.Struct("<qiif")
 _ZERO_RECORD = bytes(AUX_RECORD.size)  # what a freed slot holds
 
 
@@ -25,7 +29,23 @@ class Aux:
     logprob: float
 
     def pack(self) -> bytes:
-        return AUX_RECORD.pack(self.room, self.first_token, self.cached_tokens, self.logprob)
+        fields = _FIELDS.pack(self.room, self.first_token, self.cached_tokens, self.logprob)
+        return fields + struct.pack("<I", zlib.crc32(fields))
+
+
+def record_digest(record: bytes | memoryview) -> int:
+    """The crc32 a record carries in its last four bytes."""
+    return int(struct.unpack_from("<I", record, _FIELDS.size)[0])
+
+
+def unpack(record: bytes | memoryview) -> Aux | None:
+    """The record's fields, or None if it is not an intact record."""
+    if len(record) != AUX_RECORD.size:
+        return None
+    room, first, cached, logprob, crc = AUX_RECORD.unpack(record)
+    if zlib.crc32(memoryview(record)[: _FIELDS.size]) != crc:
+        return None
+    return Aux(room, first, cached, logprob)
 
 
 class AuxBuffers:
@@ -62,27 +82,18 @@ class AuxBuffers:
         self._used.remove(slot)
         self._free.append(slot)
 
-    def write(self, slot: int, record: memoryview | bytes) -> None:
-        """Copy a wire record into ``slot``; the caller owns the slot."""
+    def write(self, slot: int, record: memoryview | bytes) -> bytes:
+        """Copy a wire record into ``slot`` (the caller owns it); return the record as it landed."""
         if slot not in self._used:
             raise AuxValidationError(f"aux slot {slot} is not allocated")
         if len(record) != AUX_RECORD.size:
             raise AuxValidationError(f"aux record of {len(record)} bytes, expected {AUX_RECORD.size}")
-        self._record(slot)[:] = record
+        view = self._record(slot)
+        view[:] = record
+        return bytes(view)
 
-    def read(self, slot: int) -> Aux:
-        return Aux(*AUX_RECORD.unpack(self._record(slot)))
+    def read(self, slot: int) -> bytes:
+        return bytes(self._record(slot))
 
     def _record(self, slot: int) -> memoryview:
         return self._records[slot * AUX_RECORD.size : (slot + 1) * AUX_RECORD.size]
-
-    def validate(self, slot: int, room: int, prompt_len: int, vocab_size: int) -> Aux:
-        """The record in ``slot`` as landed, or AuxValidationError if it is not this room's."""
-        aux = self.read(slot)
-        if aux.room != room:
-            raise AuxValidationError(f"aux slot {slot} holds room {aux.room}, expected {room}")
-        if aux.cached_tokens != prompt_len:
-            raise AuxValidationError(f"aux says {aux.cached_tokens} cached tokens, expected {prompt_len}")
-        if not 0 <= aux.first_token < vocab_size:
-            raise AuxValidationError(f"aux first token {aux.first_token} outside vocabulary")
-        return aux

@@ -78,4 +78,6 @@ class TransferError(KvroomError):
 
 
 class RegistrationError(KvroomError):
-    pass
+    def __init__(self, message: str, refused: bool = False):
+        super().__init__(message)
+        self.refused = refused  # the bootstrap said no, as opposed to not answering

@@ -45,6 +45,11 @@ class KVPool:
     def free_pages(self) -> int:
         return len(self._free)
 
+    def synchronize(self) -> None:
+        """Wait for device work that writes the pool: its pages go to the engine, which does not."""
+        if self.data.is_cuda:
+            torch.cuda.synchronize(self.data.device)
+
     def page_ptr(self, page: int) -> int:
         if not 0 <= page < self.num_pages:
             raise IndexError(f"page {page} outside pool of {self.num_pages}")

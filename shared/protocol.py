@@ -10,9 +10,24 @@ A ``DONE_AUX`` that arrives with its aux frame cut off still decodes (the aux
 comes back as None): the receiver learns the KV is done and keeps waiting for
 the aux, which is the one state the aux timeout exists for.
 
+Who sent a message is not in the message: between services every socket is
+CURVE-authenticated, and the receiver checks the sender's public key against
+the peer the message claims to come from (the bootstrap, or a room's peer rank).
+
+Messages between the ranks of one node (``RANK_*``) travel over the node's own
+``ipc://`` sockets, never over the network.
+
 Changelog
     1  first version: PREFILL_ROOM, DECODE_ROOM, ABORT_ROOM, TRANSFER_REQUEST,
        TRANSFER_ACCEPTED, TRANSFER_STARTED, DONE_AUX, ROOM_RELEASED, ROOM_REPORTS.
+    2  senders are known by their CURVE key: the cluster token is gone from room
+       assignments and aborts, and the transfer request no longer names the
+       decode's session and endpoint (the room's assignment does). Peer ranks
+       carry their public key and the KV heads they hold; the transfer request
+       the decode rank's heads; done+aux the digest of every page it wrote.
+       Room assignments go to a node's leader, which hands them to its ranks.
+       New: ROOM_TOKENS (decoded tokens as they come), RANK_STATES and
+       RANK_AGREED (agreement between the ranks of a node), RANK_HEALTH, RANK_READY.
 """
 
 import enum
@@ -28,7 +43,7 @@ from shared.errors import (
     VersionMismatch,
 )
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAGIC = b"KVRM"
 _HEADER = struct.Struct("!4sHB")
 HEADER_BYTES = _HEADER.size
@@ -39,15 +54,21 @@ MAX_RANKS = 64
 MAX_PAGES_PER_ROOM = 1 << 16
 MAX_TOKENS = 1 << 17
 MAX_REPORTS = 1024
+MAX_HEADS = 1024
+MAX_STOP = 8
 
-RoomId = Annotated[int, msgspec.Meta(gt=0, le=(1 << 63) - 1)]
+# Room ids are exact in a float64 (JSON tools, JavaScript): below 2**53, never 0.
+MAX_ROOM_ID = (1 << 53) - 1
+RoomId = Annotated[int, msgspec.Meta(gt=0, le=MAX_ROOM_ID)]
 Rank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_RANKS)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+Digest = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
 Token = Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
+Head = Annotated[int, msgspec.Meta(ge=0, le=MAX_HEADS)]
+HeadCount = Annotated[int, msgspec.Meta(ge=1, le=MAX_HEADS)]
 Endpoint = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
-# Room assignments and aborts carry the token the bootstrap hands out at registration,
-# so a node takes them only from its own cluster.
-Token64 = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+# A CURVE public key in Z85 (40 characters); empty where security is off.
+PublicKey = Annotated[str, msgspec.Meta(max_length=40)]
 Text = Annotated[str, msgspec.Meta(max_length=256)]
 
 
@@ -61,59 +82,66 @@ class Kind(enum.IntEnum):
     ROOM_RELEASED = 7
     ROOM_REPORTS = 8
     TRANSFER_ACCEPTED = 9
+    ROOM_TOKENS = 10
+    RANK_STATES = 11
+    RANK_AGREED = 12
+    RANK_HEALTH = 13
+    RANK_READY = 14
 
 
 class PeerRank(msgspec.Struct, frozen=True):
+    """One rank of a node as its peers reach it, and the KV heads it holds."""
+
     rank: Rank
     session_id: Endpoint
     zmq_endpoint: Endpoint
+    public_key: PublicKey
+    kv_head_start: Head
+    kv_head_count: HeadCount
 
 
 class PrefillRoom(msgspec.Struct, frozen=True):
-    """Bootstrap -> each prefill rank: compute this prompt's KV for these decode ranks."""
+    """Bootstrap -> a prefill node's leader: compute this prompt's KV for these decode ranks."""
 
     room: RoomId
-    rank: Rank
-    token: Token64
     input_ids: Annotated[list[Token], msgspec.Meta(min_length=1, max_length=MAX_TOKENS)]
     decode_node: Text
     decode_ranks: Annotated[list[PeerRank], msgspec.Meta(min_length=1, max_length=MAX_RANKS)]
 
 
 class DecodeRoom(msgspec.Struct, frozen=True):
-    """Bootstrap -> each decode rank: take a room whose KV comes from these prefill ranks."""
+    """Bootstrap -> a decode node's leader: take a room whose KV comes from these prefill ranks."""
 
     room: RoomId
-    rank: Rank
-    token: Token64
     prompt_len: Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS)]
     max_new_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS)]
     prefill_node: Text
     prefill_ranks: Annotated[list[PeerRank], msgspec.Meta(min_length=1, max_length=MAX_RANKS)]
+    # Decoding ends early at one of these strings (cut from the output) or an end-of-text token.
+    stop: Annotated[list[Text], msgspec.Meta(max_length=MAX_STOP)] = []
+    stream: bool = False  # send decoded tokens to the bootstrap as they come
 
 
 class AbortRoom(msgspec.Struct, frozen=True):
-    """Bootstrap or peer -> a rank: end the room FAILED with ``reason``."""
+    """Bootstrap -> a node's leader, or a peer rank -> a rank: end the room FAILED with ``reason``."""
 
     room: RoomId
-    rank: Rank
-    token: Token64
+    rank: Rank  # the rank addressed; 0 for a node's leader
     reason: Text
+    peer_gone: bool = False  # the room's other node is gone: nothing more will be written
 
 
 class TransferRequest(msgspec.Struct, frozen=True):
-    """Decode rank -> prefill rank: write the room's KV into these pages of mine."""
+    """Decode rank -> prefill rank: write the room's KV for my heads into these pages of mine."""
 
     room: RoomId
     rank: Rank  # the prefill rank addressed
     decode_rank: Rank
-    session_id: Endpoint
     kv_base_ptr: NonNegative
     num_pages: Annotated[int, msgspec.Meta(ge=1, le=1 << 30)]
     page_bytes: Annotated[int, msgspec.Meta(ge=1, le=1 << 30)]
     page_indices: Annotated[list[NonNegative], msgspec.Meta(max_length=MAX_PAGES_PER_ROOM)]
     aux_slot: NonNegative
-    aux_endpoint: Endpoint
 
 
 class TransferAccepted(msgspec.Struct, frozen=True):
@@ -136,6 +164,8 @@ class KvDone(msgspec.Struct, frozen=True):
     """Prefill rank -> decode rank, sent only after every KV write completed.
 
     Always travels with the aux record as the third frame of the same message.
+    ``digests`` (verify mode) holds one digest per destination page, in the
+    order of the request's page indices, over the bytes this rank wrote there.
     """
 
     room: RoomId
@@ -145,12 +175,14 @@ class KvDone(msgspec.Struct, frozen=True):
     pages_written: NonNegative
     bytes_written: NonNegative
     completed_at: float  # wall clock when the last KV write completed, for aux latency
+    digests: Annotated[list[Digest], msgspec.Meta(max_length=MAX_PAGES_PER_ROOM)] | None = None
 
 
 class RoomReleased(msgspec.Struct, frozen=True):
     """Prefill rank -> decode rank: I will not touch this room's pages again.
 
     ``reason`` says why the prefill gave the room up; empty if it had finished.
+    Sent only once no write of the room can still be moving.
     """
 
     room: RoomId
@@ -160,7 +192,11 @@ class RoomReleased(msgspec.Struct, frozen=True):
 
 
 class RoomStatus(msgspec.Struct, frozen=True):
-    """Where one room stands on a node, with the wall-clock time it entered each state."""
+    """Where one room stands on a node, with the wall-clock time it entered each state.
+
+    ``outcome`` is the request's end once the transfer succeeded: "completed",
+    or "failed" with ``reason`` (the decode raised; its node was lost mid-decode).
+    """
 
     room: RoomId
     state: Annotated[int, msgspec.Meta(ge=0, le=4)]
@@ -168,6 +204,8 @@ class RoomStatus(msgspec.Struct, frozen=True):
     timestamps: Annotated[dict[str, float], msgspec.Meta(max_length=8)] = {}
     output_ids: Annotated[list[Token], msgspec.Meta(max_length=MAX_TOKENS)] | None = None
     timings: Annotated[dict[str, float], msgspec.Meta(max_length=16)] = {}
+    outcome: Text | None = None
+    finish_reason: Text | None = None  # "stop" or "length", once completed
 
 
 class RoomReports(msgspec.Struct, frozen=True):
@@ -175,6 +213,63 @@ class RoomReports(msgspec.Struct, frozen=True):
 
     node_id: Text
     reports: Annotated[list[RoomStatus], msgspec.Meta(min_length=1, max_length=MAX_REPORTS)]
+
+
+class TokenChunk(msgspec.Struct, frozen=True):
+    room: RoomId
+    offset: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)]  # index of the first token here
+    tokens: Annotated[list[Token], msgspec.Meta(min_length=1, max_length=MAX_TOKENS)]
+
+
+class RoomTokens(msgspec.Struct, frozen=True):
+    """Decode node -> bootstrap: tokens decoded since the last message, for streaming rooms."""
+
+    node_id: Text
+    chunks: Annotated[list[TokenChunk], msgspec.Meta(min_length=1, max_length=MAX_REPORTS)]
+
+
+class RankState(msgspec.Struct, frozen=True):
+    """One room as one rank sees it on its own: what the node's ranks agree over.
+
+    ``digest`` is the crc32 of the aux record the rank validated (decode, once
+    ready); ranks whose records differ must not succeed.
+    """
+
+    room: RoomId
+    state: Annotated[int, msgspec.Meta(ge=0, le=4)]
+    reason: Text | None = None
+    digest: Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)] = 0
+
+
+class RankStates(msgspec.Struct, frozen=True):
+    """Rank -> its node's leader: rooms whose state on that rank changed."""
+
+    rank: Rank
+    states: Annotated[list[RankState], msgspec.Meta(min_length=1, max_length=1 << 16)]
+
+
+class RankAgreed(msgspec.Struct, frozen=True):
+    """Leader -> every rank of the node: rooms whose agreed state changed, in the order to act on."""
+
+    states: Annotated[list[RankState], msgspec.Meta(min_length=1, max_length=1 << 16)]
+
+
+class RankHealth(msgspec.Struct, frozen=True):
+    """Rank -> its node's leader, now and then: what the rank holds."""
+
+    rank: Rank
+    free_pages: NonNegative
+    total_pages: NonNegative
+    free_aux_slots: NonNegative
+    total_aux_slots: NonNegative
+    rooms_in_flight: NonNegative
+    fenced_rooms: NonNegative
+
+
+class RankReady(msgspec.Struct, frozen=True):
+    """Rank -> its node's leader, once at start: how peers reach the rank."""
+
+    peer: PeerRank
 
 
 Message = (
@@ -187,6 +282,11 @@ Message = (
     | KvDone
     | RoomReleased
     | RoomReports
+    | RoomTokens
+    | RankStates
+    | RankAgreed
+    | RankHealth
+    | RankReady
 )
 
 KIND_OF: dict[type, Kind] = {
@@ -199,6 +299,11 @@ KIND_OF: dict[type, Kind] = {
     KvDone: Kind.DONE_AUX,
     RoomReleased: Kind.ROOM_RELEASED,
     RoomReports: Kind.ROOM_REPORTS,
+    RoomTokens: Kind.ROOM_TOKENS,
+    RankStates: Kind.RANK_STATES,
+    RankAgreed: Kind.RANK_AGREED,
+    RankHealth: Kind.RANK_HEALTH,
+    RankReady: Kind.RANK_READY,
 }
 _DECODERS: dict[Kind, msgspec.msgpack.Decoder[Any]] = {
     kind: msgspec.msgpack.Decoder(cls) for cls, kind in KIND_OF.items()
@@ -259,8 +364,8 @@ def decode(frames: list[Any]) -> tuple[Message, memoryview | None]:
 
 def is_done_aux(frames: list[Any]) -> bool:
     """Whether the header says done+aux; a cheap look that checks nothing else."""
-    header = frames[0]
-    return len(header) == HEADER_BYTES and header[-1] == Kind.DONE_AUX
+    header = memoryview(frames[0])
+    return header.nbytes == HEADER_BYTES and header[-1] == Kind.DONE_AUX
 
 
 def peek_room(frames: list[Any]) -> int | None:

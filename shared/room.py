@@ -22,6 +22,9 @@ class Room:
         self.timestamps: dict[str, float] = {RoomState.BOOTSTRAPPING.name: time.time()}
         self.timings: dict[str, float] = {}
         self.output_ids: list[int] | None = None
+        # The request's end once the transfer succeeded: "completed", or "failed" with ``reason``.
+        self.outcome: str | None = None
+        self.finish_reason: str | None = None  # "stop" or "length", once completed
         self._on_change = on_change
         log.info("room=%d %s", room_id, self.state.name, extra={"room": room_id})
 
@@ -51,11 +54,26 @@ class Room:
         self.advance(RoomState.FAILED, str(reason))
         return True
 
+    def end(self, outcome: str, reason: str | None = None) -> None:
+        """The request ended after a successful transfer: its outcome, apart from the transfer state."""
+        assert self.state is RoomState.SUCCESS and self.outcome is None, (self.state, self.outcome)
+        self.outcome, self.reason = outcome, reason
+        if reason:
+            log.info("room=%d %s reason=%s", self.id, outcome, reason, extra={"room": self.id})
+        self._on_change(self)
+
+    @property
+    def finished(self) -> bool:
+        return self.state is RoomState.FAILED or self.outcome is not None
+
     def view(self) -> dict[str, object]:
         return {
             "room": self.id,
-            "state": self.state.name,
+            "state": "FAILED" if self.outcome == "failed" else self.state.name,
+            "transfer_state": self.state.name,
+            "outcome": self.outcome,
             "reason": self.reason,
+            "finish_reason": self.finish_reason,
             "timestamps": self.timestamps,
             "timings": self.timings,
             "output_ids": self.output_ids,

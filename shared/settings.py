@@ -1,4 +1,4 @@
-"""Settings shared by the node services; each service adds its own class on top.
+"""Settings shared by the services; each service adds its own class on top.
 
 Values come from environment variables with the service's prefix, then CLI
 flags (``--http-port 8100``) on top. Bind and advertised addresses are separate
@@ -7,20 +7,26 @@ so nodes work behind port mappings, NAT and proxies.
 
 import os
 import socket
+from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from shared.kv_layout import KVLayout
-from shared.model import ModelConfig
+from shared.security import read_secret
 from shared.transfer import Transport
 
 LogFormat = Literal["plain", "json"]
+ZmqSecurity = Literal["curve", "plain"]
+# Read when a service's own join-token settings are unset, so one variable serves them all.
+SHARED_JOIN_TOKEN = "KVROOM_JOIN_TOKEN"
+SHARED_JOIN_TOKEN_FILE = "KVROOM_JOIN_TOKEN_FILE"
 
 
 class ServiceSettings(BaseSettings):
-    model_config = SettingsConfigDict(cli_kebab_case=True, cli_implicit_flags=True, extra="forbid")
+    model_config = SettingsConfigDict(
+        cli_kebab_case=True, cli_implicit_flags=True, extra="forbid", cli_hide_none_type=True
+    )
 
     host: str = Field("127.0.0.1", description="address the HTTP and ZMQ sockets bind to")
     advertise_host: str | None = Field(
@@ -31,13 +37,37 @@ class ServiceSettings(BaseSettings):
     zmq_port: int = Field(ge=1, le=65535, description="ZMQ port (rank r of a node binds zmq_port + r)")
     advertise_zmq_port: int | None = Field(None, ge=1, le=65535, description="ZMQ port peers use")
     log_format: LogFormat = Field("plain", description="plain or json log lines")
-    log_level: str = Field("INFO", description="logging level")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="logging level")
+    zmq_security: ZmqSecurity = Field(
+        "curve", description="curve: authenticated, encrypted ZMQ; plain: none (tests on one machine only)"
+    )
+    curve_key_file: Path | None = Field(
+        None,
+        description="this service's CURVE secret key file (from `python -m bootstrap keys`); "
+        "default: a key made at start-up",
+    )
+    join_token: SecretStr | None = Field(
+        None, description=f"secret a node must present to join (default: ${SHARED_JOIN_TOKEN})"
+    )
+    join_token_file: Path | None = Field(
+        None, description=f"file holding the join secret (default: ${SHARED_JOIN_TOKEN_FILE})"
+    )
 
     @model_validator(mode="after")
     def _bind_all_needs_advertise(self) -> "ServiceSettings":
         if self.host in ("0.0.0.0", "::") and not self.advertise_host:
             raise ValueError("binding to all interfaces needs --advertise-host")
         return self
+
+    def resolved_join_token(self) -> str | None:
+        """The join secret from the settings, or else from the variables all services share."""
+        if self.join_token is not None or self.join_token_file is not None:
+            token = self.join_token.get_secret_value() if self.join_token else None
+            return read_secret(token, self.join_token_file, "join token")
+        shared_file = os.environ.get(SHARED_JOIN_TOKEN_FILE)
+        return read_secret(
+            os.environ.get(SHARED_JOIN_TOKEN), Path(shared_file) if shared_file else None, "join token"
+        )
 
     @property
     def public_host(self) -> str:
@@ -57,51 +87,92 @@ class ServiceSettings(BaseSettings):
 class NodeSettings(ServiceSettings):
     node_id: str = Field("", description="unique node id (default: role-hostname-pid)")
     bootstrap_url: str = Field("http://127.0.0.1:8000", description="bootstrap service URL")
+    bootstrap_public_key: str | None = Field(
+        None,
+        description="pin the bootstrap's CURVE public key (Z85 or a .key file); "
+        "default: the key the bootstrap gives at registration",
+    )
     transport: Transport = Field("tcp", description="KV transport: tcp, rdma or nvlink")
     rdma_devices: str = Field("", description="RDMA device names for the rdma transport, comma separated")
     engine_host: str | None = Field(
         None, description="hostname the transfer engine listens on (default: advertise host)"
     )
-    device: Literal["cpu", "cuda"] = Field("cpu", description="where the KV pool lives")
-    num_pages: int = Field(4096, ge=1, description="KV pages in this node's pool")
-    page_size: int = Field(16, ge=1, le=1024, description="tokens per KV page")
-    kv_mode: Literal["model", "synthetic"] = Field(
-        "model", description="model: run the reference model; synthetic: stamped pages, for benchmarks"
+    device: Literal["cpu", "cuda"] = Field(
+        "cpu", description="where the model and KV pool live (rank r: cuda:r)"
     )
-    num_layers: int | None = Field(None, ge=1, le=1024, description="KV layers (synthetic mode only)")
-    num_kv_heads: int | None = Field(None, ge=1, le=1024, description="KV heads (synthetic mode only)")
-    head_dim: int | None = Field(None, ge=1, le=4096, description="head size (synthetic mode only)")
-    kv_dtype: Literal["float32", "float16", "bfloat16"] | None = Field(
-        None, description="KV element type (synthetic mode only)"
+    tp_size: int = Field(1, ge=1, le=64, description="tensor-parallel ranks of this node, one process each")
+    model: str = Field(
+        "reference",
+        description="reference (built-in model), synthetic (stamped pages, for benchmarks), "
+        "or a Hugging Face model directory or hub id",
+    )
+    dtype: Literal["auto", "float64", "float32", "float16", "bfloat16"] = Field(
+        "auto",
+        description="model and KV element type (auto: float64 for the reference model, "
+        "else float32 on CPU and bfloat16 on CUDA)",
+    )
+    num_pages: int = Field(4096, ge=1, description="KV pages in each rank's pool")
+    page_size: int = Field(16, ge=1, le=1024, description="tokens per KV page")
+    num_layers: int | None = Field(None, ge=1, le=1024, description="KV layers (synthetic model only)")
+    num_kv_heads: int | None = Field(None, ge=1, le=1024, description="KV heads (synthetic model only)")
+    head_dim: int | None = Field(None, ge=1, le=4096, description="head size (synthetic model only)")
+    verify_kv: bool = Field(
+        False,
+        description="digest every KV page on both sides and check before SUCCESS (costs a pass over the KV)",
+    )
+    agreement: Literal["ipc", "gloo"] = Field(
+        "ipc",
+        description="how the ranks of a node agree on room states: ipc (leader over ipc sockets) or gloo",
+    )
+    dist_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="port of the ranks' torch.distributed rendezvous (default: any free)",
     )
     scatter_pages: bool = Field(False, description="hand out pages in shuffled order (coalescing benchmarks)")
     heartbeat_interval_s: float = Field(1.0, gt=0, description="seconds between heartbeats")
-    register_retry_s: float = Field(0.5, gt=0, description="seconds between registration attempts")
+    register_retry_s: float = Field(
+        0.5, gt=0, description="first wait before registering again; doubles up to 30 s while refused"
+    )
+    drain_grace_s: float = Field(
+        30.0, ge=0, description="on SIGTERM, seconds rooms in flight may take to finish before they fail"
+    )
+    lease_timeout_s: float = Field(
+        60.0, gt=0, description="seconds pages stay fenced while a peer's write may still be moving"
+    )
 
     @model_validator(mode="after")
     def _layout_only_for_synthetic_kv(self) -> "NodeSettings":
-        given = [self.num_layers, self.num_kv_heads, self.head_dim, self.kv_dtype]
-        if self.kv_mode == "model" and any(v is not None for v in given):
-            raise ValueError("the KV layout follows the reference model; set it only with kv_mode=synthetic")
+        given = [self.num_layers, self.num_kv_heads, self.head_dim]
+        if self.model != "synthetic" and any(v is not None for v in given):
+            raise ValueError("the KV layout follows the model; set it only with --model synthetic")
+        if self.model == "reference" and self.dtype not in ("auto", "float64"):
+            raise ValueError("the reference model computes in float64")
         return self
-
-    def kv_layout(self, model: ModelConfig) -> KVLayout:
-        return KVLayout(
-            self.num_layers or model.num_layers,
-            self.num_kv_heads or model.num_heads,
-            self.head_dim or model.head_dim,
-            self.page_size,
-            self.kv_dtype or "float32",
-        )
 
     @model_validator(mode="after")
     def _cuda_needs_a_gpu(self) -> "NodeSettings":
         if self.device == "cuda":
             import torch
 
-            if not torch.cuda.is_available():
-                raise ValueError("device=cuda but this host has no usable CUDA device")
+            if torch.cuda.device_count() < self.tp_size:
+                raise ValueError(
+                    f"device=cuda with tp_size={self.tp_size} needs {self.tp_size} CUDA devices, "
+                    f"this host has {torch.cuda.device_count()}"
+                )
         return self
+
+    @property
+    def resolved_dtype(self) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        if self.model == "reference":
+            return "float64"
+        return "bfloat16" if self.device == "cuda" else "float32"
+
+    def rank_device(self, rank: int) -> str:
+        return "cpu" if self.device == "cpu" else f"cuda:{rank}"
 
     def resolved_node_id(self, role: str) -> str:
         return self.node_id or f"{role}-{socket.gethostname()}-{os.getpid()}"

@@ -34,6 +34,9 @@ class FailureReason(enum.StrEnum):
     NO_CAPACITY = "no_capacity"
     PREFILL_FAILED = "prefill_failed"
     DECODE_FAILED = "decode_failed"
+    AUX_MISMATCH = "aux_mismatch"
+    KV_CORRUPT = "kv_corrupt"
+    SHUTDOWN = "shutdown"
 
 
 S = RoomState

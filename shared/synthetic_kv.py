@@ -1,10 +1,12 @@
-"""Synthetic KV for benchmarks: pages stamped with (room, page) instead of model output.
+"""Synthetic KV for benchmarks: pages stamped instead of computed by a model.
 
-Stamping writes 8 bytes at each end of every page, so preparing a room costs
-next to nothing while the whole page still moves; checking the stamps on the
-decode side proves each page landed whole and in its place. Both run on the
-node's event loop, so a pool in CPU memory is stamped word by word: a few
-tensor operations would cost more than the stamps of a hundred pages.
+Each head block of a page (one head's K and V for every layer) gets 8 bytes
+at each end that name the room, the page's place in the room and the head, so
+preparing a room costs next to nothing while every byte still moves; checking
+the stamps on the decode side proves each block landed whole and in its place,
+whichever prefill rank wrote it. Both run on the node's event loop, so a pool
+in CPU memory is stamped word by word: a few tensor operations would cost more
+than the stamps of a hundred pages.
 """
 
 import weakref
@@ -19,58 +21,66 @@ _TENSOR_OPS_ON_CPU = False
 _FLAT_WORDS: "weakref.WeakKeyDictionary[KVPool, memoryview]" = weakref.WeakKeyDictionary()
 
 
-def _first_stamp(room: int) -> int:
-    """Page i of the room gets ``first + 2 i`` at its head and ``first + 2 i + 1`` at its tail."""
-    return (room * 1_000_003) & ((1 << 62) - 1)
-
-
-def _words(pool: KVPool) -> torch.Tensor:
-    """The pool as rows of 64-bit words, one row a page."""
-    return pool.data.view(pool.num_pages, -1).view(torch.int64)
+def _stamp(room: int, index: int, head: int, total_heads: int) -> int:
+    """Block ``head`` of page ``index`` of the room gets this at its head and this + 1 at its tail."""
+    return ((room * 1_000_003) + 2 * (index * total_heads + head)) & ((1 << 62) - 1)
 
 
 def _flat(pool: KVPool) -> memoryview:
     """A CPU pool's words as one flat sequence of Python ints, made once per pool."""
     flat = _FLAT_WORDS.get(pool)
     if flat is None:
-        flat = _FLAT_WORDS[pool] = _words(pool).numpy().data.cast("B").cast("q")
+        words = pool.data.view(pool.num_pages, -1).view(torch.int64)
+        flat = _FLAT_WORDS[pool] = words.numpy().data.cast("B").cast("q")
     return flat
 
 
-def _ends(pool: KVPool, pages: list[int]) -> list[tuple[int, int]]:
-    """Index of each page's first and last word in the pool's flat words."""
+def _blocks(pool: KVPool, pages: list[int], first_head: int, total_heads: int, room: int):
+    """(head word index, tail word index, stamp) for every head block of the room's pages."""
+    per_head = pool.layout.head_bytes // 8
     per_page = pool.layout.page_bytes // 8
-    return [(page * per_page, (page + 1) * per_page - 1) for page in pages]
+    for index, page in enumerate(pages):
+        for local in range(pool.layout.num_kv_heads):
+            head = page * per_page + local * per_head
+            yield head, head + per_head - 1, _stamp(room, index, first_head + local, total_heads)
 
 
-def _rows_and_heads(words: torch.Tensor, pages: list[int], first: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """For a pool on a device: the page rows and their head stamps, as tensors there."""
-    rows = torch.tensor(pages, device=words.device)
-    return rows, torch.arange(len(pages), dtype=torch.int64, device=words.device) * 2 + first
-
-
-def fill(pool: KVPool, pages: list[int], room: int) -> None:
-    first = _first_stamp(room)
+def fill(pool: KVPool, pages: list[int], room: int, first_head: int = 0, total_heads: int = 0) -> None:
+    """Stamp the room's pages; this rank holds heads ``first_head`` on, of ``total_heads``."""
+    total = total_heads or pool.layout.num_kv_heads
     if pool.data.is_cpu and not _TENSOR_OPS_ON_CPU:
         flat = _flat(pool)
-        for i, (head, tail) in enumerate(_ends(pool, pages)):
-            flat[head] = first + 2 * i
-            flat[tail] = first + 2 * i + 1
+        for head, tail, stamp in _blocks(pool, pages, first_head, total, room):
+            flat[head] = stamp
+            flat[tail] = stamp + 1
         return
-    words = _words(pool)
-    rows, heads = _rows_and_heads(words, pages, first)
-    words[rows, 0] = heads
-    words[rows, -1] = heads + 1
+    words = pool.data.view(-1).view(torch.int64)
+    heads, tails, stamps = _tensors(pool, pages, first_head, total, room)
+    words[heads] = stamps
+    words[tails] = stamps + 1
 
 
-def verify(pool: KVPool, pages: list[int], room: int) -> bool:
-    first = _first_stamp(room)
+def verify(pool: KVPool, pages: list[int], room: int, first_head: int = 0, total_heads: int = 0) -> bool:
+    total = total_heads or pool.layout.num_kv_heads
     if pool.data.is_cpu and not _TENSOR_OPS_ON_CPU:
         flat = _flat(pool)
         return all(
-            flat[head] == first + 2 * i and flat[tail] == first + 2 * i + 1
-            for i, (head, tail) in enumerate(_ends(pool, pages))
+            flat[head] == stamp and flat[tail] == stamp + 1
+            for head, tail, stamp in _blocks(pool, pages, first_head, total, room)
         )
-    words = _words(pool)
-    rows, heads = _rows_and_heads(words, pages, first)
-    return bool(torch.equal(words[rows, 0], heads) and torch.equal(words[rows, -1], heads + 1))
+    words = pool.data.view(-1).view(torch.int64)
+    heads, tails, stamps = _tensors(pool, pages, first_head, total, room)
+    return bool(torch.equal(words[heads], stamps) and torch.equal(words[tails], stamps + 1))
+
+
+def _tensors(
+    pool: KVPool, pages: list[int], first_head: int, total: int, room: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For a pool on a device: the blocks' word indices and stamps, as tensors there."""
+    heads, tails, stamps = zip(*_blocks(pool, pages, first_head, total, room), strict=True)
+    device = pool.data.device
+    return (
+        torch.tensor(heads, device=device),
+        torch.tensor(tails, device=device),
+        torch.tensor(stamps, dtype=torch.int64, device=device),
+    )

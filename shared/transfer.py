@@ -1,8 +1,10 @@
-"""The transfer engine interface, its Mooncake implementation and a fake for unit tests."""
+"""The transfer engine interface and its Mooncake implementation.
+
+A fake for unit tests of the logic above the engine lives in ``tests/fakes.py``.
+"""
 
 import abc
 import collections
-import ctypes
 import logging
 import os
 import time
@@ -11,15 +13,13 @@ from dataclasses import dataclass
 from typing import Literal
 
 from shared.errors import TransferError
+from shared.kv_layout import Write
 
 log = logging.getLogger(__name__)
 
 Transport = Literal["tcp", "rdma", "nvlink"]
 # One TCP batch of a few thousand entries fails or wedges the peer; stay far below.
 MAX_BATCH_ENTRIES = 512
-# Longer runs are cut: over TCP, pieces of this size moved faster than whole runs of
-# 8 MiB and more, as the engine works on several pieces at once.
-MAX_WRITE_BYTES = 4 << 20
 # Writes submitted and not yet completed, when they are waited on by polling; the engine
 # queues at most 1024 per peer by default.
 MAX_IN_FLIGHT = 256
@@ -29,36 +29,19 @@ POLL_INTERVAL_S = 20e-6
 # A write gives up after this, plus a second per GB, like the engine's own blocking calls.
 WRITE_TIMEOUT_S = 30.0
 
-Write = tuple[int, int, int]  # (source address, destination address, length)
 
+class WriteUnresolved(TransferError):
+    """The write gave up while some of it may still be moving.
 
-def coalesce(
-    src_base: int,
-    src_pages: list[int],
-    dst_base: int,
-    dst_pages: list[int],
-    page_bytes: int,
-    max_bytes: int = MAX_WRITE_BYTES,
-) -> list[Write]:
-    """One write per run of pages that is consecutive on both sides, cut into pieces of ``max_bytes``."""
-    if len(src_pages) != len(dst_pages):
-        raise ValueError("source and destination page lists differ in length")
-    writes: list[Write] = []
-    run_start = 0
-    for i in range(1, len(src_pages) + 1):
-        if (
-            i == len(src_pages)
-            or src_pages[i] != src_pages[i - 1] + 1
-            or dst_pages[i] != dst_pages[i - 1] + 1
-        ):
-            src = src_base + src_pages[run_start] * page_bytes
-            dst = dst_base + dst_pages[run_start] * page_bytes
-            length = (i - run_start) * page_bytes
-            writes += [
-                (src + at, dst + at, min(max_bytes, length - at)) for at in range(0, length, max_bytes)
-            ]
-            run_start = i
-    return writes
+    ``pending`` holds the engine's ids of the writes whose end is not known;
+    empty where the engine gives no way to ask (its blocking batch call). Until
+    they resolve, the source pages may still be read and the destination pages
+    written: neither side may reuse them.
+    """
+
+    def __init__(self, message: str, pending: list[int]):
+        super().__init__(message)
+        self.pending = pending
 
 
 _TRANSPORT_VARIABLES = ("MC_FORCE_TCP", "MC_INTRANODE_NVLINK", "MC_FORCE_MNNVL")
@@ -100,6 +83,10 @@ def engine_setup(transport: Transport, rdma_devices: str = "") -> EngineSetup:
     raise ValueError(f"unknown transport {transport!r}")
 
 
+def write_deadline(total_bytes: int, timeout_s: float) -> float:
+    return time.monotonic() + timeout_s + total_bytes / 1e9
+
+
 class TransferEngine(abc.ABC):
     """Moves bytes from local registered memory into a peer's registered memory."""
 
@@ -116,12 +103,18 @@ class TransferEngine(abc.ABC):
         """
 
     @abc.abstractmethod
-    def write(self, peer_session: str, writes: Iterable[Write]) -> int:
+    def write(self, peer_session: str, writes: Iterable[Write], timeout_s: float = WRITE_TIMEOUT_S) -> int:
         """Write every ``(src, dst, length)`` into the peer; blocks until all completed.
 
-        Returns the bytes written. Raises TransferError if any write failed; the
-        destination may then hold a partial copy. Must not run on an event loop.
+        Returns the bytes written. Raises TransferError if a write failed and
+        none is still moving (the destination may hold a partial copy), and
+        WriteUnresolved if it gave up after ``timeout_s`` (plus a second per
+        GB) while some may still move. Must not run on an event loop.
         """
+
+    def unresolved(self, pending: list[int]) -> list[int]:
+        """Of the writes a WriteUnresolved named, those still not finished; asking frees the rest."""
+        return []
 
     def close(self) -> None:
         """Release the engine's resources; further calls are undefined."""
@@ -161,13 +154,17 @@ class MooncakeEngine(TransferEngine):
         if rc != 0:
             raise TransferError(f"register_memory({ptr:#x}, {nbytes}) returned {rc}")
 
-    def write(self, peer_session: str, writes: Iterable[Write]) -> int:
+    def write(self, peer_session: str, writes: Iterable[Write], timeout_s: float = WRITE_TIMEOUT_S) -> int:
         if self._polled:
-            return self.write_polled(peer_session, writes)
+            return self.write_polled(peer_session, writes, timeout_s)
         return self.write_blocking(peer_session, writes)
 
     def write_blocking(self, peer_session: str, writes: Iterable[Write]) -> int:
-        """The engine's own blocking batch call, which spins until the batch completed."""
+        """The engine's own blocking batch call, which spins until the batch completed.
+
+        Its failure does not say whether it failed or gave up on writes still
+        moving, and its ids cannot be asked after: a failure is unresolved.
+        """
         batch = list(writes)
         total = 0
         for start in range(0, len(batch), MAX_BATCH_ENTRIES):
@@ -178,27 +175,33 @@ class MooncakeEngine(TransferEngine):
             else:
                 rc = self._engine.batch_transfer_sync_write(peer_session, src, dst, lengths)
             if rc != 0:
-                raise TransferError(f"write of {len(chunk)} entries to {peer_session} returned {rc}")
+                raise WriteUnresolved(f"write of {len(chunk)} entries to {peer_session} returned {rc}", [])
             total += sum(lengths)
         return total
 
-    def write_polled(self, peer_session: str, writes: Iterable[Write]) -> int:
+    def write_polled(
+        self, peer_session: str, writes: Iterable[Write], timeout_s: float = WRITE_TIMEOUT_S
+    ) -> int:
         """Submit each write on its own and wait for them by polling, asleep in between.
 
         Writes go one per engine batch because the engine's non-blocking status
-        call looks at the first entry of a batch only. A failure stops further
-        submits, but what was submitted is waited for, so no write is still
-        reading our pages when this returns (unless it timed out, as the
-        engine's blocking calls also give up).
+        call looks at the first entry of a batch only (and frees a batch once it
+        reports it finished). A failure stops further submits, but what was
+        submitted is waited for, so no write is still reading our pages when
+        this returns, unless the deadline passed: then WriteUnresolved names
+        the writes still out.
         """
         batch = list(writes)
         total = sum(length for _, _, length in batch)
-        deadline = time.monotonic() + WRITE_TIMEOUT_S + total / 1e9
+        deadline = write_deadline(total, timeout_s)
         in_flight: collections.deque[int] = collections.deque()
         error = None
         for src, dst, length in batch:
             if len(in_flight) == MAX_IN_FLIGHT:
-                error = self._wait(in_flight.popleft(), deadline)
+                error = self._wait(in_flight[0], deadline)
+                if error == "timed out":
+                    break
+                in_flight.popleft()
                 if error is not None:
                     break
             batch_id = self._engine.transfer_submit_write(peer_session, src, dst, length)
@@ -206,50 +209,29 @@ class MooncakeEngine(TransferEngine):
                 error = "the engine refused the write"
                 break
             in_flight.append(batch_id)
+        unresolved = []
         for batch_id in in_flight:
-            error = self._wait(batch_id, deadline) or error
+            outcome = self._wait(batch_id, deadline)
+            if outcome == "timed out":
+                unresolved.append(batch_id)
+            error = error or outcome
+        if unresolved:
+            raise WriteUnresolved(
+                f"{len(unresolved)} of {len(batch)} writes to {peer_session} still out after the deadline",
+                unresolved,
+            )
         if error is not None:
             raise TransferError(f"write of {len(batch)} entries to {peer_session}: {error}")
         return total
 
     def _wait(self, batch_id: int, deadline: float) -> str | None:
         """None once the write completed, else why not."""
-        while (status := self._engine.transfer_check_status(batch_id)) == 0:
+        while (status := self._engine.transfer_check_status(batch_id)) in (0, -2):
             if time.monotonic() > deadline:
                 return "timed out"
             time.sleep(POLL_INTERVAL_S)
         return None if status == 1 else f"failed with status {status}"
 
-
-class FakeEngine(TransferEngine):
-    """In-process memmove between regions registered in one shared directory.
-
-    For unit tests of the logic above the engine only; it proves nothing about
-    real transfers.
-    """
-
-    def __init__(self, name: str, directory: dict[str, list[tuple[int, int]]]):
-        self._name = name
-        self._directory = directory
-        directory.setdefault(name, [])
-        self.writes: list[Write] = []
-
-    @property
-    def session_id(self) -> str:
-        return self._name
-
-    def register(self, ptr: int, nbytes: int) -> None:
-        self._directory[self._name].append((ptr, nbytes))
-
-    def write(self, peer_session: str, writes: Iterable[Write]) -> int:
-        regions = self._directory.get(peer_session)
-        if regions is None:
-            raise TransferError(f"unknown peer {peer_session}")
-        total = 0
-        for src, dst, length in writes:
-            if not any(base <= dst and dst + length <= base + size for base, size in regions):
-                raise TransferError(f"{dst:#x}+{length} outside the peer's registered memory")
-            ctypes.memmove(dst, src, length)
-            self.writes.append((src, dst, length))
-            total += length
-        return total
+    def unresolved(self, pending: list[int]) -> list[int]:
+        # Completed (1) and failed (-1) are the statuses after which the engine frees the id.
+        return [b for b in pending if self._engine.transfer_check_status(b) not in (1, -1)]

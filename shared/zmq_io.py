@@ -1,20 +1,24 @@
 """ZMQ for the services: one PUSH socket per peer endpoint with sends that never
 block, and a PULL socket drained on the event loop.
 
-Sockets are plain (not zmq.asyncio) sockets; a PushSockets object belongs to
-one thread.
+With CURVE on (see ``shared.security``) a PUSH socket is a client of the
+peer's public key, a PULL socket a server, and every message received comes
+with the sender's public key. Sockets are plain (not zmq.asyncio) sockets; a
+PushSockets object belongs to one thread.
 """
 
 import asyncio
 import collections
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import zmq
 
 from shared import protocol
 from shared.errors import ProtocolError
 from shared.metrics import ServiceMetrics
+from shared.security import Security
 
 log = logging.getLogger(__name__)
 
@@ -24,47 +28,51 @@ SEND_HWM = 100_000
 # Endpoints come from peers; keep a bounded number of sockets open, least recently used out.
 MAX_PEER_SOCKETS = 256
 
+Handler = Callable[[protocol.Message, memoryview | None, str | None], None]
+
 
 class PushSockets:
-    def __init__(self, context: zmq.Context, max_sockets: int = MAX_PEER_SOCKETS):
+    def __init__(self, context: zmq.Context, security: Security, max_sockets: int = MAX_PEER_SOCKETS):
         self._context = context
-        self._sockets: collections.OrderedDict[str, zmq.Socket] = collections.OrderedDict()
+        self._security = security
+        self._sockets: collections.OrderedDict[tuple[str, str], zmq.Socket] = collections.OrderedDict()
         self._max = max_sockets
 
-    def _socket(self, endpoint: str) -> zmq.Socket:
-        sock = self._sockets.get(endpoint)
+    def _socket(self, endpoint: str, server_key: str) -> zmq.Socket:
+        key = (endpoint, server_key)
+        sock = self._sockets.get(key)
         if sock is not None:
-            self._sockets.move_to_end(endpoint)
+            self._sockets.move_to_end(key)
             return sock
         sock = self._context.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, SEND_HWM)
         try:
+            self._security.client(sock, server_key)
             sock.connect(endpoint)
-        except zmq.ZMQError:
+        except (zmq.ZMQError, ValueError) as exc:
             sock.close(0)
-            raise
-        self._sockets[endpoint] = sock
+            raise zmq.ZMQError(msg=f"cannot connect to {endpoint}: {exc}") from exc
+        self._sockets[key] = sock
         if len(self._sockets) > self._max:
             _, oldest = self._sockets.popitem(last=False)
             oldest.close(0)
         return sock
 
-    def send(self, endpoint: str, frames: list[bytes]) -> bool:
-        """Queue a message to ``endpoint``; False if it could not be queued."""
+    def send(self, endpoint: str, server_key: str, frames: list[bytes]) -> bool:
+        """Queue a message to ``endpoint`` (whose CURVE key is ``server_key``); False if it could not."""
         try:
             # Copying sends: zero-copy pays a tracking thread per message, far more than
             # copying the few hundred bytes a control message has.
-            self._socket(endpoint).send_multipart(frames, flags=zmq.NOBLOCK)
+            self._socket(endpoint, server_key).send_multipart(frames, flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             log.warning("could not queue a message to %s: %s", endpoint, exc)
             return False
         return True
 
     def forget(self, endpoint: str) -> None:
-        sock = self._sockets.pop(endpoint, None)
-        if sock is not None:
-            sock.close(0)
+        for key in [k for k in self._sockets if k[0] == endpoint]:
+            self._sockets.pop(key).close(0)
 
     def close(self) -> None:
         for sock in self._sockets.values():
@@ -76,47 +84,58 @@ class PushSockets:
 RECEIVE_BATCH = 256
 
 
-def bind_pull(context: zmq.Context, endpoint: str) -> zmq.Socket:
+def bind_pull(context: zmq.Context, endpoint: str, security: Security | None = None) -> zmq.Socket:
     sock = context.socket(zmq.PULL)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+    if security is not None:
+        security.server(sock)
     sock.bind(endpoint)
     return sock
 
 
+Received = tuple[list[Any], str | None]
+
+
 async def receive_forever(
     sock: zmq.Socket,
-    on_message: Callable[[list[bytes]], object],
-    urgent: Callable[[list[bytes]], bool] | None = None,
+    on_message: Callable[[list[Any], str | None], object],
+    urgent: Callable[[list[Any]], bool] | None = None,
 ) -> None:
-    """Hand each message that reaches ``sock`` to ``on_message`` on the event loop, until cancelled.
+    """Hand each message that reaches ``sock`` to ``on_message(frames, sender)`` on the event loop.
 
-    The socket's descriptor is watched by the loop and drained with
-    non-blocking receives: a third of the cost per message of zmq.asyncio,
-    which makes a future for each. ZMQ signals the descriptor on edges only,
-    so every wake-up drains the socket until it is empty, and a handler that
-    raises is logged rather than allowed to end the drain: messages left
-    behind would wait for the next one to arrive. Of the messages waiting at
-    a wake-up, those ``urgent`` picks are handled first, the rest in arrival
-    order.
+    ``sender`` is the CURVE public key of the peer that sent it, or None on a
+    socket without CURVE. The socket's descriptor is watched by the loop and
+    drained with non-blocking receives: a third of the cost per message of
+    zmq.asyncio, which makes a future for each. ZMQ signals the descriptor on
+    edges only, so every wake-up drains the socket until it is empty, and a
+    handler that raises is logged rather than allowed to end the drain:
+    messages left behind would wait for the next one to arrive. Of the
+    messages waiting at a wake-up, those ``urgent`` picks are handled first,
+    the rest in arrival order. Runs until cancelled.
     """
     loop = asyncio.get_running_loop()
     fd = sock.fileno()
+    authenticated = bool(sock.curve_server)
 
     def drain() -> None:
         if sock.closed:  # a drain scheduled before shutdown
             return
-        batch = []
+        batch: list[Received] = []
         for _ in range(RECEIVE_BATCH):
             try:
-                batch.append(sock.recv_multipart(zmq.NOBLOCK))
+                if authenticated:
+                    frames: list[Any] = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    batch.append((frames, frames[0].get("User-Id")))
+                else:
+                    batch.append((sock.recv_multipart(zmq.NOBLOCK), None))
             except zmq.Again:
                 break
         if urgent is not None:
-            batch.sort(key=lambda frames: not urgent(frames))  # stable: otherwise arrival order
-        for frames in batch:
+            batch.sort(key=lambda item: not urgent(item[0]))  # stable: otherwise arrival order
+        for frames, sender in batch:
             try:
-                on_message(frames)
+                on_message(frames, sender)
             except Exception:
                 log.exception("message handler failed; receiving goes on")
         if len(batch) == RECEIVE_BATCH:
@@ -130,20 +149,18 @@ async def receive_forever(
         loop.remove_reader(fd)
 
 
-def dispatcher(
-    handle: Callable[[protocol.Message, memoryview | None], None], metrics: ServiceMetrics
-) -> Callable[[list[bytes]], None]:
+def dispatcher(handle: Handler, metrics: ServiceMetrics) -> Callable[[list[Any], str | None], None]:
     """An ``on_message`` for receive_forever: decode each message and hand it to ``handle``.
 
     A message that does not decode, or that ``handle`` refuses with a
     ProtocolError, is counted by kind and logged with its room, then dropped.
     """
 
-    def on_message(buffers: list[bytes]) -> None:
+    def on_message(buffers: list[Any], sender: str | None) -> None:
         metrics.received.inc()
         try:
             msg, aux = protocol.decode(buffers)
-            handle(msg, aux)
+            handle(msg, aux, sender)
         except ProtocolError as exc:
             room = getattr(exc, "room", None) or protocol.peek_room(buffers)
             metrics.rejected.labels(exc.kind).inc()

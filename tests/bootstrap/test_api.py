@@ -5,7 +5,7 @@ from fastapi.testclient import TestClient
 
 from bootstrap.app import create_app
 from bootstrap.settings import BootstrapSettings
-from shared.local_stack import free_port
+from launcher.local_stack import free_port
 
 
 def registration(node_id="p0", role="prefill", page_size=16, port=5555):

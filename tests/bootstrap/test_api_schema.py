@@ -8,7 +8,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import not_a_server_error
 
-from shared.local_stack import LocalStack, free_port
+from launcher.local_stack import LocalStack, free_port
 from tests.bootstrap.test_api import registration
 
 

@@ -10,7 +10,7 @@ from decode_node.settings import DecodeSettings
 from shared import protocol
 from shared.aux_buffers import Aux
 from shared.errors import RejectedMessage
-from shared.local_stack import free_port
+from launcher.local_stack import free_port
 from shared.node import PROGRESS_REPORT_DELAY_S, REPORT_DELAY_S
 from shared.states import RoomState
 from shared.transfer import FakeEngine

@@ -1,6 +1,6 @@
 import pytest
 
-from shared.local_stack import LocalStack
+from launcher.local_stack import LocalStack
 from shared.model import ReferenceModel, configure_determinism
 
 # Short liveness settings so fault tests finish in seconds.

@@ -4,7 +4,7 @@ from typing import Any
 
 import httpx
 
-from shared.local_stack import Service
+from launcher.local_stack import Service
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:

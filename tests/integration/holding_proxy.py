@@ -10,7 +10,7 @@ from collections.abc import Callable
 import zmq
 
 from shared import protocol
-from shared.local_stack import Service, free_port
+from launcher.local_stack import Service, free_port
 
 Frames = list[bytes]
 

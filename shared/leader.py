@@ -1,0 +1,226 @@
+"""Rank 0's process speaks for the node: it hands the bootstrap's assignments to every rank in
+one order, folds the ranks' states into agreed ones, and watches that every rank lives.
+
+The other ranks are separate processes linked to it by ``ipc://`` sockets in a
+private directory (``RankLinks``). A node that lost a rank is broken as a
+whole: its rooms fail ``peer_lost``, its health says so, and the bootstrap stops
+placing rooms on it.
+"""
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from shared import agreement, protocol
+from shared.cli import VERSION
+from shared.membership import Membership, Standing
+from shared.rank import Rank, RankService
+from shared.registration import Heartbeat, NodeRegistration, RankInfo, RankStatus
+from shared.room import Room
+from shared.security import Security
+from shared.states import FailureReason
+from shared.zmq_io import PushSockets, bind_pull
+
+log = logging.getLogger(__name__)
+
+
+def leader_endpoint(directory: Path) -> str:
+    return f"ipc://{directory}/leader"
+
+
+def rank_endpoint(directory: Path, rank: int) -> str:
+    return f"ipc://{directory}/rank{rank}"
+
+
+class RankLinks:
+    """The leader's end of the ipc sockets to ranks 1..n-1 (no CURVE: the directory is private)."""
+
+    def __init__(self, context: zmq.Context, directory: Path, world: int):
+        self.directory = directory
+        self.pull = bind_pull(context, leader_endpoint(directory))
+        self._push = PushSockets(context, Security(None))
+        self._ranks = range(1, world)
+
+    def send(self, rank: int, msg: protocol.Message) -> None:
+        self._push.send(rank_endpoint(self.directory, rank), "", protocol.encode(msg))
+
+    def broadcast(self, msg: protocol.Message) -> None:
+        frames = protocol.encode(msg)
+        for rank in self._ranks:
+            self._push.send(rank_endpoint(self.directory, rank), "", frames)
+
+    def close(self) -> None:
+        self.pull.close(0)
+        self._push.close()
+
+
+class NodeLeader:
+    """The node as one: what rank 0's service reports through, and what the bootstrap talks to."""
+
+    def __init__(self, role: str, node_id: str, rank: Rank, world: int, links: RankLinks | None):
+        self.role = role
+        self.node_id = node_id
+        self.rank = rank
+        self.world = world
+        self.links = links
+        self.service: RankService  # set once built: it needs this object first
+        self.membership: Membership  # likewise
+        self.agreement: agreement.Leader | None = None  # ipc agreement, world > 1
+        self.ranks: dict[int, RankInfo] = {0: rank.info()}
+        self.health_of: dict[int, protocol.RankHealth] = {}
+        self.alive: dict[int, bool] = {r: r == 0 for r in range(world)}
+        self.broken: str | None = None
+        self.draining = False
+        self.started = time.time()
+
+    # -- what rank 0's service tells the node (NodeHooks) ------------------------------
+
+    def is_bootstrap(self, sender: str | None) -> bool:
+        return self.membership.is_bootstrap(sender)
+
+    def assign(self, msg: protocol.PrefillRoom | protocol.DecodeRoom | protocol.AbortRoom) -> None:
+        """Give every rank the same assignment, in the order they came: the order of their collectives."""
+        if self.links is not None:
+            self.links.broadcast(msg)
+        self.service.handle_assignment(msg)
+        if self.broken is not None and not isinstance(msg, protocol.AbortRoom):
+            self.assign(protocol.AbortRoom(room=msg.room, rank=0, reason=FailureReason.PEER_LOST))
+
+    def report(self, room: Room) -> None:
+        self.membership.report(room)
+
+    def tokens(self, room: int, offset: int, tokens: list[int]) -> None:
+        self.membership.tokens(room, offset, tokens)
+
+    # -- agreement ----------------------------------------------------------------------
+
+    def deliver(self, changes: list[protocol.RankState]) -> None:
+        """Agreed changes, to every rank in one order: rank 0 at once, the others by ipc."""
+        if self.links is not None:
+            self.links.broadcast(protocol.RankAgreed(changes))
+        participant = self.service.agree
+        if isinstance(participant, agreement.LeaderParticipant):
+            participant.agreed(changes)
+
+    # -- the other ranks -----------------------------------------------------------------
+
+    def on_rank_message(self, msg: protocol.Message, aux: memoryview | None, sender: str | None) -> None:
+        if isinstance(msg, protocol.RankStates):
+            if self.agreement is not None:
+                self.agreement.contribute(msg.rank, msg.states)
+        elif isinstance(msg, protocol.RankHealth):
+            self.health_of[msg.rank] = msg
+        elif isinstance(msg, protocol.RankReady):
+            p = msg.peer
+            self.ranks[p.rank] = RankInfo(
+                rank=p.rank,
+                session_id=p.session_id,
+                zmq_endpoint=p.zmq_endpoint,
+                public_key=p.public_key,
+                kv_head_start=p.kv_head_start,
+                kv_head_count=p.kv_head_count,
+            )
+            self.alive[p.rank] = True
+            log.info("rank %d ready: engine %s, zmq %s", p.rank, p.session_id, p.zmq_endpoint)
+
+    @property
+    def ready(self) -> bool:
+        return len(self.ranks) == self.world
+
+    def rank_died(self, rank: int, how: str) -> None:
+        """A rank process ended: the node cannot serve any more; every room it holds fails."""
+        self.alive[rank] = False
+        if self.broken is None:
+            self.broken = f"rank {rank} {how}"
+            log.error("%s: the node is broken; failing its rooms", self.broken)
+        for room in list(self.service.rooms.live):
+            self.assign(protocol.AbortRoom(room=room, rank=0, reason=FailureReason.PEER_LOST))
+
+    # -- what the node says about itself ---------------------------------------------------
+
+    def registration(self) -> NodeRegistration:
+        return NodeRegistration(
+            node_id=self.node_id,
+            role=self.role,  # type: ignore[arg-type]
+            http_url=self.rank.settings.public_http_url,
+            version=VERSION,
+            ranks=[self.ranks[r] for r in range(self.world)],
+            model=self.rank.source.identity,
+            num_pages=self.rank.pool.num_pages,
+            verify_kv=self.rank.settings.verify_kv,
+        )
+
+    def _rank_health(self) -> list[protocol.RankHealth]:
+        own = self.service.health()
+        return [own, *(self.health_of[r] for r in range(1, self.world) if r in self.health_of)]
+
+    def heartbeat(self) -> Heartbeat:
+        healths = self._rank_health()
+        return Heartbeat(
+            rooms_in_flight=len(self.service.rooms.live),
+            free_pages=min(h.free_pages for h in healths),
+            healthy=self.broken is None,
+            problem=self.broken,
+            ranks=[
+                RankStatus(
+                    rank=h.rank,
+                    alive=self.alive.get(h.rank, False),
+                    free_pages=h.free_pages,
+                    free_aux_slots=h.free_aux_slots,
+                )
+                for h in healths
+            ],
+        )
+
+    @property
+    def problem(self) -> str | None:
+        """Why the node cannot take rooms now, or None."""
+        if self.broken is not None:
+            return self.broken
+        if self.draining:
+            return "draining"
+        if self.membership.standing is not Standing.REGISTERED:
+            return self.membership.problem
+        return None
+
+    def health(self) -> dict[str, Any]:
+        healths = self._rank_health()
+        problem = self.problem
+        return {
+            "status": "ok" if problem is None else "unavailable",
+            "problem": problem,
+            "node_id": self.node_id,
+            "role": self.role,
+            "version": VERSION,
+            "registered": self.membership.registered.is_set(),
+            "standing": self.membership.standing.value,
+            "zmq_security": "curve" if self.rank.security.keys else "plain",
+            "tp_size": self.world,
+            "rooms_in_flight": len(self.service.rooms.live),
+            "free_pages": min(h.free_pages for h in healths),
+            "total_pages": self.rank.pool.num_pages,
+            "free_aux_slots": min(h.free_aux_slots for h in healths),
+            "total_aux_slots": healths[0].total_aux_slots,
+            "fenced_rooms": sum(h.fenced_rooms for h in healths),
+            "ranks": [
+                {
+                    **self.ranks[r].model_dump(),
+                    "alive": self.alive.get(r, False),
+                    **(
+                        {
+                            k: getattr(h, k)
+                            for k in ("free_pages", "free_aux_slots", "rooms_in_flight", "fenced_rooms")
+                        }
+                        if (h := next((x for x in healths if x.rank == r), None))
+                        else {}
+                    ),
+                }
+                for r in sorted(self.ranks)
+            ],
+        }
+
+    def rooms_in_flight(self) -> int:
+        return sum(h.rooms_in_flight + h.fenced_rooms for h in self._rank_health())
