@@ -25,9 +25,9 @@ import httpx
 from bench.http_load import Connection
 from bench.raw import RawPair
 from bench.report import write_report
+from launcher.local_stack import LocalStack, Service
 from shared.heap import freeze_startup_heap
 from shared.kv_layout import KVLayout
-from launcher.local_stack import LocalStack, Service
 
 MIB = 1 << 20
 # A KV layout of an 8B-class model: 32 layers, 8 KV heads of 128, bfloat16 (128 KiB a token).

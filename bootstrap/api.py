@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 from fastapi import APIRouter, Depends, Header, HTTPException, Query, Request, Response
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from bootstrap.cluster import Cluster, NoLiveNode
 from bootstrap.registry import Incompatible, Node
@@ -47,23 +47,12 @@ VOCAB = ModelConfig().vocab_size
 StateName = Literal["FAILED", "BOOTSTRAPPING", "WAITING_FOR_INPUT", "TRANSFERRING", "SUCCESS"]
 
 
-def encodable(text: str) -> str:
-    """Refuse text that is not valid Unicode (a lone surrogate), which no tokenizer can take."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ValueError(f"not valid Unicode at position {exc.start} (a lone surrogate)") from None
-    return text
-
-
 class RoomRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     prompt: str | None = Field(None, min_length=1, description="text, tokenized as UTF-8 bytes")
     input_ids: list[Annotated[int, Field(ge=0, lt=VOCAB)]] | None = Field(None, min_length=1)
     max_new_tokens: int = Field(16, ge=1)
-
-    _prompt_is_text = field_validator("prompt")(lambda cls, v: v if v is None else encodable(v))
 
     @model_validator(mode="after")
     def _one_input(self) -> "RoomRequest":

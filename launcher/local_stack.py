@@ -171,7 +171,10 @@ class LocalStack:
         ranks = int(args[args.index("--tp-size") + 1]) if "--tp-size" in args else 1
         verify = ["--verify-kv"] if self.verify_kv else []
         return self._service(
-            node_id, module, ["--node-id", node_id, "--bootstrap-url", self.bootstrap.url, *verify, *args], ranks
+            node_id,
+            module,
+            ["--node-id", node_id, "--bootstrap-url", self.bootstrap.url, *verify, *args],
+            ranks,
         )
 
     def start(

@@ -221,9 +221,10 @@ class RankService(abc.ABC):
         self.agree.local(job.id, state, reason, digest)
 
     def room_changed(self, room: Room) -> None:
-        self.metrics.transitions.labels(room.state.name).inc()
-        if room.state is RoomState.FAILED:
-            self.metrics.failures.labels(room.reason or "unknown").inc()
+        if room.outcome is None:  # a transition; an outcome is counted where it is decided
+            self.metrics.transitions.labels(room.state.name).inc()
+            if room.state is RoomState.FAILED:
+                self.metrics.failures.labels(room.reason or "unknown").inc()
         if room.state.terminal and not self.holds(room):
             self.rooms.retire(room)
         if room.state in self.reported_states:

@@ -179,6 +179,13 @@ async def _leader(
         "kvroom_free_pages", "Free KV pages (the fewest of any rank)", lambda: leader.health()["free_pages"]
     )
     metrics.gauge_function("kvroom_total_pages", "KV pages in each rank's pool", lambda: rank.pool.num_pages)
+    if role == "decode":
+        metrics.gauge_function(
+            "kvroom_free_aux_slots",
+            "Free aux slots (the fewest of any rank)",
+            lambda: leader.health()["free_aux_slots"],
+        )
+        metrics.gauge_function("kvroom_total_aux_slots", "Aux slots of each rank", lambda: settings.aux_slots)  # type: ignore[attr-defined]
 
     pull = rank.bind()
     server = _EmbeddedServer(

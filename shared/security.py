@@ -69,7 +69,10 @@ def write_keys(directory: Path, name: str) -> tuple[Path, Path]:
 def load_public_key(value: str) -> str:
     """A public key given as Z85 text or as the path of a ``.key`` file."""
     if len(value) == 40 and not Path(value).exists():
-        z85.decode(value)  # raises on a bad key
+        try:
+            z85.decode(value)
+        except (KeyError, ValueError) as exc:
+            raise SecretError(f"{value!r} is not a Z85 CURVE public key") from exc
         return value
     from zmq.auth.certs import load_certificate
 
@@ -84,9 +87,10 @@ def read_secret(value: str | None, path: Path | None, what: str) -> str | None:
     """A secret given directly or in a file (its first line); None if neither is set."""
     if path is not None:
         try:
-            text = path.read_text().strip()
+            lines = path.read_text().splitlines()
         except OSError as exc:
             raise SecretError(f"cannot read the {what} file {path}: {exc}") from exc
+        text = lines[0].strip() if lines else ""
         if not text:
             raise SecretError(f"the {what} file {path} is empty")
         return text

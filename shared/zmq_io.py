@@ -16,7 +16,7 @@ from typing import Any
 import zmq
 
 from shared import protocol
-from shared.errors import ProtocolError
+from shared.errors import KvroomError, ProtocolError
 from shared.metrics import ServiceMetrics
 from shared.security import Security
 
@@ -50,7 +50,7 @@ class PushSockets:
         try:
             self._security.client(sock, server_key)
             sock.connect(endpoint)
-        except (zmq.ZMQError, ValueError) as exc:
+        except (zmq.ZMQError, ValueError, KvroomError) as exc:
             sock.close(0)
             raise zmq.ZMQError(msg=f"cannot connect to {endpoint}: {exc}") from exc
         self._sockets[key] = sock

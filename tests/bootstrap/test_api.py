@@ -1,4 +1,6 @@
-"""The bootstrap's REST API in process: validation and error codes."""
+"""The bootstrap's REST API in process: credentials, validation and error codes."""
+
+import json
 
 import pytest
 from fastapi.testclient import TestClient
@@ -6,48 +8,123 @@ from fastapi.testclient import TestClient
 from bootstrap.app import create_app
 from bootstrap.settings import BootstrapSettings
 from launcher.local_stack import free_port
+from shared.head_split import kv_heads
+from shared.security import CurveKeys
+
+JOIN = "join-secret-for-tests"
+KEY = "client-api-key"
+AUTH = {"Authorization": f"Bearer {JOIN}"}
+CLIENT = {"Authorization": f"Bearer {KEY}"}
 
 
-def registration(node_id="p0", role="prefill", page_size=16, port=5555):
+def model(**changes):
+    return {
+        "name": "reference",
+        "architecture": "kvroom-reference",
+        "weights": "seed-1234",
+        "tokenizer": "bytes",
+        "dtype": "float64",
+        "num_layers": 2,
+        "num_heads": 8,
+        "num_kv_heads": 4,
+        "head_dim": 8,
+        "vocab_size": 256,
+        "page_size": 16,
+        **changes,
+    }
+
+
+def registration(node_id="p0", role="prefill", port=5555, tp=1, key=True, **model_changes):
+    ranks = []
+    for r in range(tp):
+        heads = kv_heads(r, tp, model(**model_changes)["num_kv_heads"])
+        ranks.append(
+            {
+                "rank": r,
+                "session_id": f"127.0.0.1:{4000 + r}",
+                "zmq_endpoint": f"tcp://127.0.0.1:{port + r}",
+                "public_key": CurveKeys.generate().public if key else "",
+                "kv_head_start": heads.start,
+                "kv_head_count": heads.count,
+            }
+        )
     return {
         "node_id": node_id,
         "role": role,
         "http_url": "http://127.0.0.1:1",
-        "ranks": [{"rank": 0, "session_id": "127.0.0.1:4000", "zmq_endpoint": f"tcp://127.0.0.1:{port}"}],
-        "kv_layout": {
-            "num_layers": 2,
-            "num_kv_heads": 4,
-            "head_dim": 16,
-            "page_size": page_size,
-            "dtype": "float32",
-        },
+        "version": "test",
+        "ranks": ranks,
+        "model": model(**model_changes),
         "num_pages": 64,
     }
 
 
-@pytest.fixture
-def client():
+def make_client(**overrides):
     settings = BootstrapSettings(
         http_port=free_port(),
         zmq_port=free_port(),
         max_prompt_tokens=100,
         max_new_tokens=50,
         max_body_bytes=64 * 1024,
+        join_token=JOIN,
+        **overrides,
     )
-    with TestClient(create_app(settings)) as c:
+    return TestClient(create_app(settings))
+
+
+@pytest.fixture
+def client():
+    with make_client() as c:
         yield c
 
 
-def test_health_and_metrics(client):
+def two_nodes(client):
+    assert client.post("/nodes", json=registration(), headers=AUTH).status_code == 201
+    assert (
+        client.post("/nodes", json=registration("d0", "decode", port=5556), headers=AUTH).status_code == 201
+    )
+
+
+def test_health_and_metrics_stay_open(client):
     assert client.get("/health").json()["status"] == "ok"
     text = client.get("/metrics").text
     assert "kvroom_live_prefill_nodes 0.0" in text
 
 
+def test_nodes_need_the_join_token_and_never_see_it(client):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": JOIN}):
+        resp = client.post("/nodes", json=registration(), headers=headers)
+        assert resp.status_code == 401 and resp.headers["www-authenticate"] == "Bearer"
+        assert client.put("/nodes/p0/heartbeat", json={}, headers=headers).status_code == 401
+    assert client.get("/nodes").json() == []
+    answers = [client.post("/nodes", json=registration(), headers=AUTH)]
+    answers.append(client.put("/nodes/p0/heartbeat", json={}, headers=AUTH))
+    answers += [client.get(path) for path in ("/nodes", "/health", "/metrics", "/openapi.json", "/")]
+    assert [a.status_code for a in answers[:2]] == [201, 200]
+    for answer in answers:
+        assert JOIN not in answer.text
+    registered = answers[0].json()
+    assert registered["bootstrap_keys"] and registered["report_key"] == registered["bootstrap_keys"][0]
+
+
+def test_client_routes_need_the_api_key_when_one_is_set():
+    with make_client(api_key=KEY) as client:
+        two_nodes(client)
+        body = {"prompt": "hi", "max_new_tokens": 2}
+        assert client.post("/rooms", json=body).status_code == 401
+        assert client.post("/rooms", json=body, headers={"Authorization": "Bearer nope"}).status_code == 401
+        assert client.get("/rooms").status_code == 401
+        assert client.get("/rooms/5").status_code == 401
+        room = client.post("/rooms", json=body, headers=CLIENT)
+        assert room.status_code == 201
+        assert client.get(f"/rooms/{room.json()['room']}", headers=CLIENT).status_code == 200
+        assert client.get("/health").status_code == 200  # still open
+
+
 def test_no_live_node_is_503(client):
     resp = client.post("/rooms", json={"prompt": "hi", "max_new_tokens": 2})
     assert resp.status_code == 503 and "prefill" in resp.json()["detail"]
-    client.post("/nodes", json=registration())
+    client.post("/nodes", json=registration(), headers=AUTH)
     resp = client.post("/rooms", json={"prompt": "hi", "max_new_tokens": 2})
     assert resp.status_code == 503 and "decode" in resp.json()["detail"]
 
@@ -69,14 +146,27 @@ def test_no_live_node_is_503(client):
         {"prompt": "a", "max_new_tokens": 51},
         {"prompt": "a" * 101, "max_new_tokens": 3},
         {"input_ids": [1] * 101, "max_new_tokens": 3},
+        {"prompt": "a", "max_new_token": 3},  # a typo: named back
     ],
 )
 def test_bad_room_bodies_are_422(client, body):
-    client.post("/nodes", json=registration())
-    client.post("/nodes", json=registration("d0", "decode", port=5556))
+    two_nodes(client)
     resp = client.post("/rooms", json=body)
     assert resp.status_code == 422, resp.text
     assert resp.json()["detail"]
+    if "max_new_token" in body:
+        assert resp.json()["detail"][0]["loc"] == ["body", "max_new_token"]
+
+
+def test_text_that_is_not_unicode_is_422_not_500(client):
+    two_nodes(client)
+    raw = b'{"prompt": "\\ud800", "max_new_tokens": 3}'  # a lone surrogate, as JSON allows it
+    resp = client.post("/rooms", content=raw, headers={"content-type": "application/json"})
+    assert resp.status_code == 422 and "unicode" in resp.json()["detail"][0]["msg"]
+    unknown = b'{"prompt": "a", "\\udcff": 1}'  # even an unknown field named that way
+    resp = client.post("/rooms", content=unknown, headers={"content-type": "application/json"})
+    assert resp.status_code == 422
+    json.loads(resp.text)
 
 
 def test_unknown_room_is_404(client):
@@ -99,24 +189,54 @@ def test_body_far_too_large_is_413(client):
     assert resp.status_code == 413 and resp.json()["detail"] == "request body too large"
 
 
-def test_registration_validation_and_layout_check(client):
-    assert client.post("/nodes", json=registration()).status_code == 201
-    bad = registration("d0", "decode", page_size=32, port=5556)
-    resp = client.post("/nodes", json=bad)
-    assert resp.status_code == 409 and "page_size" in resp.json()["detail"]
-    for field, value in [("role", "router"), ("node_id", "a b"), ("num_pages", 0), ("ranks", [])]:
-        assert client.post("/nodes", json=registration() | {field: value}).status_code == 422
-    assert client.put("/nodes/nobody/heartbeat", json={}).status_code == 404
-    assert client.put("/nodes/p0/heartbeat", json={"free_pages": -1}).status_code == 422
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"page_size": 32}, "page_size"),
+        ({"weights": "other-seed"}, "weights"),
+        ({"num_kv_heads": 8}, "num_kv_heads"),
+        ({"dtype": "float32"}, "dtype"),
+    ],
+)
+def test_incompatible_models_refuse_to_pair_naming_the_field(client, changes, field):
+    assert client.post("/nodes", json=registration(), headers=AUTH).status_code == 201
+    resp = client.post("/nodes", json=registration("d0", "decode", port=5556, **changes), headers=AUTH)
+    assert resp.status_code == 409 and f"{field} differs" in resp.json()["detail"]
+
+
+def test_ranks_whose_heads_cannot_map_are_refused(client):
+    reg = registration(tp=2)
+    reg["ranks"][1]["kv_head_start"] = 1  # overlaps rank 0, leaves head 3 to nobody
+    resp = client.post("/nodes", json=reg, headers=AUTH)
+    assert resp.status_code == 409 and "rank 1 holds KV heads [1, 3)" in resp.json()["detail"]
+    reg = registration(tp=3)  # 4 KV heads neither split over nor replicate onto 3 ranks
+    resp = client.post("/nodes", json=reg, headers=AUTH)
+    assert resp.status_code == 409 and "3 ranks" in resp.json()["detail"]
+    reg = registration(key=False)
+    resp = client.post("/nodes", json=reg, headers=AUTH)
+    assert resp.status_code == 409 and "CURVE" in resp.json()["detail"]
+
+
+def test_registration_validation(client):
+    assert client.post("/nodes", json=registration(), headers=AUTH).status_code == 201
+    for field, value in [
+        ("role", "router"),
+        ("node_id", "a b"),
+        ("num_pages", 0),
+        ("ranks", []),
+        ("extra", 1),
+    ]:
+        assert client.post("/nodes", json=registration() | {field: value}, headers=AUTH).status_code == 422
+    assert client.put("/nodes/nobody/heartbeat", json={}, headers=AUTH).status_code == 404
+    assert client.put("/nodes/p0/heartbeat", json={"free_pages": -1}, headers=AUTH).status_code == 422
     nodes = client.get("/nodes").json()
     assert [n["node_id"] for n in nodes] == ["p0"]
 
 
 def test_room_is_placed_and_can_be_aborted(client):
-    client.post("/nodes", json=registration())
-    client.post("/nodes", json=registration("d0", "decode", port=5556))
+    two_nodes(client)
     body = client.post("/rooms", json={"input_ids": [72, 105], "max_new_tokens": 4}).json()
-    assert body["state"] == "BOOTSTRAPPING" and 0 < body["room"] < 2**63
+    assert body["state"] == "BOOTSTRAPPING" and 0 < body["room"] < 2**53
     assert body["prefill"]["session_ids"] == ["127.0.0.1:4000"]
     assert client.get(f"/rooms/{body['room']}", params={"wait": 1000}).status_code == 422
     aborted = client.delete(f"/rooms/{body['room']}").json()
@@ -124,15 +244,37 @@ def test_room_is_placed_and_can_be_aborted(client):
     assert client.get(f"/rooms/{body['room']}", params={"wait": 5}).json()["state"] == "FAILED"
 
 
+def test_a_draining_or_unhealthy_node_gets_no_rooms(client):
+    two_nodes(client)
+    client.post("/nodes", json=registration("d1", "decode", port=5557), headers=AUTH)
+    assert client.post("/nodes/d0/drain").status_code == 401
+    assert client.post("/nodes/d0/drain", headers=AUTH).json()["draining"]
+    placed = {client.post("/rooms", json={"prompt": "x", "max_new_tokens": 2}).json()["decode"]["node_id"]}
+    placed |= {client.post("/rooms", json={"prompt": "y", "max_new_tokens": 2}).json()["decode"]["node_id"]}
+    assert placed == {"d1"}
+    room = client.post("/rooms", json={"prompt": "z", "max_new_tokens": 2}).json()["room"]
+    beat = {"healthy": False, "problem": "rank 1 exited with code -9"}
+    assert client.put("/nodes/d1/heartbeat", json=beat, headers=AUTH).status_code == 200
+    failed = client.get(f"/rooms/{room}").json()
+    assert (failed["state"], failed["reason"]) == ("FAILED", "peer_lost")
+    assert client.post("/rooms", json={"prompt": "w", "max_new_tokens": 2}).status_code == 503
+    nodes = {n["node_id"]: n for n in client.get("/nodes").json()}
+    assert nodes["d1"]["problem"] == "rank 1 exited with code -9" and not nodes["d1"]["healthy"]
+    assert client.delete("/nodes/d0", headers=AUTH).status_code == 200
+    assert "d0" not in {n["node_id"] for n in client.get("/nodes").json()}
+
+
 def test_room_history_is_bounded():
-    from bootstrap.registry import Node, NodeRegistration
+    from bootstrap.registry import Node
     from bootstrap.rooms import RoomBook, RoomRecord
+    from shared.model import decode_text
+    from shared.registration import NodeRegistration
 
     book = RoomBook(history=3)
     prefill, decode = (
         Node(NodeRegistration(**registration(n, r))) for n, r in (("p", "prefill"), ("d", "decode"))
     )
-    records = [RoomRecord(book.new_id(), [1], 1, prefill, decode) for _ in range(6)]
+    records = [RoomRecord(book.new_id(), [1], 1, prefill, decode, decode_text) for _ in range(6)]
     for record in records[:4]:
         book.add(record)
     assert len(book.rooms) == 4  # the oldest is still in flight: kept

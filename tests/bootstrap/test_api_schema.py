@@ -25,19 +25,24 @@ def bootstrap(tmp_path_factory):
     nodes = [registration("p0", "prefill", port=free_port()), registration("d0", "decode", port=free_port())]
     stop = threading.Event()
 
+    auth = stack.auth()
+
     def keep_alive():
         while not stop.is_set():
             for node in nodes:
-                if httpx.put(f"{url}/nodes/{node['node_id']}/heartbeat", json={}).status_code == 404:
-                    httpx.post(f"{url}/nodes", json=node)
+                if (
+                    httpx.put(f"{url}/nodes/{node['node_id']}/heartbeat", json={}, headers=auth).status_code
+                    == 404
+                ):
+                    httpx.post(f"{url}/nodes", json=node, headers=auth)
             stop.wait(0.5)
 
     for node in nodes:
-        assert httpx.post(f"{url}/nodes", json=node).status_code == 201
+        assert httpx.post(f"{url}/nodes", json=node, headers=auth).status_code == 201
     beat = threading.Thread(target=keep_alive, daemon=True)
     beat.start()
     try:
-        yield url
+        yield url, auth
     finally:
         stop.set()
         beat.join(5)
@@ -45,14 +50,19 @@ def bootstrap(tmp_path_factory):
 
 
 def test_no_server_errors(bootstrap):
-    schema = schemathesis.openapi.from_url(f"{bootstrap}/openapi.json")
+    url, auth = bootstrap
+    schema = schemathesis.openapi.from_url(f"{url}/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
-    assert len(operations) >= 9
-    for operation in operations:
+    assert len(operations) >= 11
 
+    def check(operation, headers):
         @given(case=operation.as_strategy())
-        @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck), database=None)
         def no_5xx(case):
-            case.call_and_validate(checks=[not_a_server_error])
+            case.call_and_validate(headers=headers, checks=[not_a_server_error])
 
         no_5xx()
+
+    for operation in operations:
+        for headers in ({}, auth):  # refused at the door, and let in
+            check(operation, headers)

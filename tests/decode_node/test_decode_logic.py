@@ -1,128 +1,221 @@
-"""The decode node's SUCCESS rule, in process, with the fake engine (no transfer is proven here)."""
+"""A decode rank's SUCCESS rule, in process, with the fake engine (no transfer is proven here)."""
 
 import asyncio
+import time
 
 import pytest
 import uvloop
 
 from decode_node.service import DecodeService
 from decode_node.settings import DecodeSettings
+from launcher.local_stack import free_port
 from shared import protocol
+from shared.agreement import Solo
 from shared.aux_buffers import Aux
 from shared.errors import RejectedMessage
-from launcher.local_stack import free_port
-from shared.node import PROGRESS_REPORT_DELAY_S, REPORT_DELAY_S
+from shared.kv_source import make_source
+from shared.metrics import ServiceMetrics
+from shared.rank import Rank
+from shared.security import CurveKeys, Security
 from shared.states import RoomState
-from shared.transfer import FakeEngine
+from tests.fakes import FakeEngine
 
-PREFILL = protocol.PeerRank(rank=0, session_id="prefill:1", zmq_endpoint="tcp://127.0.0.1:9")
+PREFILL_KEY = CurveKeys.generate().public
+PREFILL = protocol.PeerRank(0, "prefill:1", "tcp://127.0.0.1:9", PREFILL_KEY, 0, 4)
 ROOM = 77
 
 
-def run(test):
-    """Runs ``test`` on uvloop, the loop the nodes run on."""
+class Node:
+    """What rank 0 tells its node, recorded."""
+
+    def __init__(self) -> None:
+        self.reports: list[protocol.RoomStatus] = []
+        self.assigned: list[protocol.Message] = []
+
+    def is_bootstrap(self, sender: str | None) -> bool:
+        return sender is None
+
+    def assign(self, msg: protocol.Message) -> None:
+        self.assigned.append(msg)
+
+    def report(self, room) -> None:
+        self.reports.append(room.state)
+
+    def tokens(self, room: int, offset: int, tokens: list[int]) -> None:
+        pass
+
+
+def run(test, **settings):
+    """Runs ``test(service, node)`` on uvloop, the loop the nodes run on."""
 
     async def main():
-        settings = DecodeSettings(http_port=free_port(), zmq_port=free_port(), num_pages=32, aux_slots=4)
-        service = DecodeService(settings, FakeEngine("decode", {}))
+        s = DecodeSettings(
+            http_port=free_port(),
+            zmq_port=free_port(),
+            num_pages=32,
+            aux_slots=4,
+            zmq_security="plain",
+            **settings,
+        )
+        rank = Rank(s, 0, make_source(s, 0, None), Security(None), FakeEngine("decode", {}))
+        node = Node()
+        service = DecodeService(rank, node, Solo(), ServiceMetrics("decode"))
         service.loop = asyncio.get_running_loop()
-        service.token = "t"
         try:
-            await test(service)
+            await test(service, node)
         finally:
-            service._push.close()
-            service.zmq.term()
+            service.shutdown()
+            rank.push.close()
+            rank.zmq.term()
 
     uvloop.run(main())
 
 
 def assign(service, room=ROOM, prompt_len=20):
-    service.handle(protocol.DecodeRoom(room, 0, "t", prompt_len, 5, "p", [PREFILL]), None)
+    service.handle_assignment(protocol.DecodeRoom(room, prompt_len, 5, "p", [PREFILL]))
     return service.rooms.live[room]
 
 
-def done(service, room=ROOM, aux_room=ROOM, slot=None, cached=20, aux=True):
+def done(service, room=ROOM, aux_room=ROOM, slot=None, cached=20, aux=True, sender=PREFILL_KEY, pages=2):
     job = service.rooms.find(ROOM)
-    msg = protocol.KvDone(room, 0, 0, job.aux_slot if slot is None else slot, 2, 0, 0.0)
+    msg = protocol.KvDone(room, 0, 0, job.slots.get(0, 0) if slot is None else slot, pages, 0, 0.0)
     record = Aux(aux_room, 65, cached, -0.5).pack() if aux else None
-    service.handle(msg, record)
+    service.handle_peer(msg, record, sender)
+
+
+def accept(service, sender=PREFILL_KEY):
+    service.handle_peer(protocol.TransferAccepted(ROOM, 0, 0), None, sender)
+
+
+def start(service, sender=PREFILL_KEY):
+    service.handle_peer(protocol.TransferStarted(ROOM, 0, 0), None, sender)
+
+
+async def until(condition, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
 
 
 def test_success_needs_accept_start_done_and_a_valid_aux():
-    async def body(service):
+    async def body(service, node):
         job = assign(service)
-        assert job.state.name == "BOOTSTRAPPING"
+        assert job.state is RoomState.BOOTSTRAPPING
         assert service.pool.free_pages == 32 - 2 and service.aux.free_slots == 3
-        service.handle(protocol.TransferAccepted(ROOM, 0, 0), None)
-        assert job.state.name == "WAITING_FOR_INPUT"
-        service.handle(protocol.TransferStarted(ROOM, 0, 0), None)
-        assert job.state.name == "TRANSFERRING"
+        accept(service)
+        assert job.state is RoomState.WAITING_FOR_INPUT
+        start(service)
+        assert job.state is RoomState.TRANSFERRING
         done(service, aux=False)  # the KV is done, the aux is not here
-        assert job.state.name == "TRANSFERRING"
+        assert job.state is RoomState.TRANSFERRING
         done(service)
-        assert job.state.name == "SUCCESS"
+        assert job.state is RoomState.SUCCESS
         assert service.aux.free_slots == 4  # read and zeroed before decoding
-        await asyncio.sleep(0.2)  # the decode task
-        assert job.output_ids is not None and len(job.output_ids) == 5
+        await until(lambda: job.outcome is not None)
+        assert job.outcome == "completed" and len(job.output_ids) == 5
         assert service.pool.free_pages == 32
+        assert node.reports[-1] is RoomState.SUCCESS
 
     run(body)
 
 
 @pytest.mark.parametrize(
     ("kwargs", "reason"),
-    [({"aux_room": ROOM + 1}, "aux_invalid"), ({"cached": 3}, "aux_invalid")],
+    [
+        ({"aux_room": ROOM + 1}, "aux_invalid"),
+        ({"cached": 3}, "aux_invalid"),
+        ({"pages": 1}, "aux_invalid"),
+    ],
 )
 def test_aux_that_is_not_the_rooms_fails_it(kwargs, reason):
-    async def body(service):
+    async def body(service, node):
         job = assign(service)
         done(service, **kwargs)
-        assert (job.state.name, job.reason) == ("FAILED", reason)
+        assert (job.state, job.reason) == (RoomState.FAILED, reason)
         assert service.aux.free_slots == 4
         assert service.pool.free_pages == 32  # the prefill answered for its pages with the done
 
     run(body)
 
 
-def test_foreign_slot_duplicate_and_unknown_room_are_rejected_without_effect():
-    async def body(service):
+def test_a_changed_aux_byte_waits_for_an_intact_copy():
+    async def body(service, node):
         job = assign(service)
-        other = assign(service, room=ROOM + 1)
-        with pytest.raises(RejectedMessage, match="not this room"):
-            done(service, slot=other.aux_slot)  # someone else's slot
-        with pytest.raises(Exception, match="unknown room"):
-            service.handle(protocol.KvDone(999, 0, 0, 0, 2, 0, 0.0), Aux(999, 1, 20, 0.0).pack())
-        with pytest.raises(Exception, match="rank 3"):
-            service.handle(protocol.KvDone(ROOM, 0, 3, job.aux_slot, 2, 0, 0.0), Aux(ROOM, 1, 20, 0.0).pack())
-        assert job.state.name == other.state.name == "BOOTSTRAPPING"
-        assert service.aux.read(other.aux_slot).room == 0  # nothing was written into it
-        done(service)
-        with pytest.raises(Exception, match="finished"):
-            done(service)  # the duplicate
-        assert job.state.name == "SUCCESS" and other.state.name == "BOOTSTRAPPING"
+        record = bytearray(Aux(ROOM, 65, 20, -0.5).pack())
+        record[8] ^= 1  # the first token, as it would arrive after a bit flip on the way
+        service.handle_peer(protocol.KvDone(ROOM, 0, 0, job.slots[0], 2, 0, 0.0), bytes(record), PREFILL_KEY)
+        assert job.state is RoomState.TRANSFERRING and job.aux_missing_since is not None
+        assert service.metrics.rejected.labels("aux_corrupt")._value.get() == 1
+        done(service)  # the intact copy decides
+        assert job.state is RoomState.SUCCESS and job.first_token == 65
 
     run(body)
 
 
-def test_abort_fences_lent_pages_until_the_prefill_releases_them():
-    async def body(service):
+def test_messages_from_another_key_or_for_others_slots_are_rejected_without_effect():
+    async def body(service, node):
         job = assign(service)
-        service.handle(protocol.AbortRoom(ROOM, 0, "t", "aborted"), None)
-        assert (job.state.name, job.reason) == ("FAILED", "aborted")
+        other = assign(service, room=ROOM + 1)
+        with pytest.raises(RejectedMessage, match="another key"):
+            done(service, sender=CurveKeys.generate().public)
+        with pytest.raises(RejectedMessage, match="another key"):
+            accept(service, sender=CurveKeys.generate().public)
+        with pytest.raises(RejectedMessage, match="not this room"):
+            done(service, slot=other.slots[0])  # someone else's slot
+        with pytest.raises(RejectedMessage, match="unknown room"):
+            service.handle_peer(
+                protocol.KvDone(999, 0, 0, 0, 2, 0, 0.0), Aux(999, 1, 20, 0.0).pack(), PREFILL_KEY
+            )
+        with pytest.raises(RejectedMessage, match="rank 3"):
+            service.handle_peer(
+                protocol.KvDone(ROOM, 0, 3, job.slots[0], 2, 0, 0.0),
+                Aux(ROOM, 1, 20, 0.0).pack(),
+                PREFILL_KEY,
+            )
+        assert job.state is other.state is RoomState.BOOTSTRAPPING
+        assert service.aux.read(other.slots[0]) == bytes(24)  # nothing was written into it
+        done(service)
+        with pytest.raises(RejectedMessage, match="finished"):
+            done(service)  # the duplicate
+        assert job.state is RoomState.SUCCESS and other.state is RoomState.BOOTSTRAPPING
+
+    run(body)
+
+
+def test_a_failed_room_fences_lent_pages_until_the_prefill_releases_them():
+    async def body(service, node):
+        job = assign(service)
+        service.handle_assignment(protocol.AbortRoom(ROOM, 0, "aborted"))
+        assert (job.state, job.reason) == (RoomState.FAILED, "aborted")
         assert service.aux.free_slots == 4
         assert service.pool.free_pages == 30 and ROOM in service.fenced  # the prefill may still write
-        service.handle(protocol.RoomReleased(ROOM, 0, 0, ""), None)
+        with pytest.raises(RejectedMessage, match="another key"):
+            service.handle_peer(protocol.RoomReleased(ROOM, 0, 0, ""), None, CurveKeys.generate().public)
+        assert ROOM in service.fenced
+        service.handle_peer(protocol.RoomReleased(ROOM, 0, 0, ""), None, PREFILL_KEY)
         assert service.pool.free_pages == 32 and not service.fenced
 
     run(body)
 
 
-def test_an_abort_without_the_cluster_token_is_refused():
-    async def body(service):
-        job = assign(service)
-        with pytest.raises(Exception, match="token"):
-            service.handle(protocol.AbortRoom(ROOM, 0, "guess", "aborted"), None)
-        assert job.state.name == "BOOTSTRAPPING"
+def test_fenced_pages_come_back_when_the_lease_ends_and_not_before():
+    async def body(service, node):
+        assign(service)
+        service.handle_assignment(protocol.AbortRoom(ROOM, 0, "aborted"))
+        service.check_timeouts(time.monotonic() + 5)
+        assert ROOM in service.fenced and service.pool.free_pages == 30
+        service.check_timeouts(time.monotonic() + 11)
+        assert not service.fenced and service.pool.free_pages == 32
+
+    run(body, lease_timeout_s=10)
+
+
+def test_an_abort_for_a_gone_peer_frees_pages_at_once():
+    async def body(service, node):
+        assign(service)
+        service.handle_assignment(protocol.AbortRoom(ROOM, 0, "peer_lost", peer_gone=True))
+        assert not service.fenced and service.pool.free_pages == 32
 
     run(body)
 
@@ -137,58 +230,61 @@ def test_an_abort_without_the_cluster_token_is_refused():
     ],
 )
 def test_each_waiting_state_has_its_timeout(steps, reason):
-    async def body(service):
+    async def body(service, node):
         job = assign(service)
         actions = {
-            "accept": lambda: service.handle(protocol.TransferAccepted(ROOM, 0, 0), None),
-            "start": lambda: service.handle(protocol.TransferStarted(ROOM, 0, 0), None),
+            "accept": lambda: accept(service),
+            "start": lambda: start(service),
             "done-without-aux": lambda: done(service, aux=False),
         }
         for step in steps:
             actions[step]()
-        import time
-
-        service._check_timeouts(time.time() + 1000, time.monotonic() + 1000)
-        assert (job.state.name, job.reason) == ("FAILED", reason)
+        service.check_timeouts(time.monotonic() + 1000)
+        assert (job.state, job.reason) == (RoomState.FAILED, reason)
 
     run(body)
 
 
 def test_progress_notices_overtaken_by_done_are_dropped_quietly():
-    async def body(service):
+    async def body(service, node):
         job = assign(service)
         done(service)  # done+aux overtook the accept and the start notice
-        assert job.state.name == "SUCCESS"
-        service.handle(protocol.TransferStarted(ROOM, 0, 0), None)
-        service.handle(protocol.TransferAccepted(ROOM, 0, 0), None)
-        assert job.state.name == "SUCCESS"
+        assert job.state is RoomState.SUCCESS
+        start(service)
+        accept(service)
+        assert job.state is RoomState.SUCCESS
         assert list(job.timestamps) == ["BOOTSTRAPPING", "WAITING_FOR_INPUT", "TRANSFERRING", "SUCCESS"]
         with pytest.raises(RejectedMessage, match="unknown room"):
-            service.handle(protocol.TransferStarted(ROOM + 5, 0, 0), None)
+            service.handle_peer(protocol.TransferStarted(ROOM + 5, 0, 0), None, PREFILL_KEY)
 
     run(body)
 
 
-def test_progress_is_reported_lazily_and_an_ending_promptly_in_one_message():
-    async def body(service):
-        sent = []
-        service._report_endpoint = "tcp://bootstrap"
-        service.send = lambda endpoint, frames: sent.append(protocol.decode(frames)[0]) or True
-        loop = asyncio.get_running_loop()
-        assign(service)
-        service.handle(protocol.TransferAccepted(ROOM, 0, 0), None)
-        service.handle(protocol.TransferStarted(ROOM, 0, 0), None)
-        assert service._report_due - loop.time() > PROGRESS_REPORT_DELAY_S / 2
-        done(service)  # the room ended: its report is due at once, progress and all
-        assert service._report_due - loop.time() < PROGRESS_REPORT_DELAY_S / 2
-        await asyncio.sleep(REPORT_DELAY_S * 5)
-        reports = [m for m in sent if isinstance(m, protocol.RoomReports)]
-        assert [s.state for s in reports[0].reports] == [RoomState.SUCCESS]
-        assert list(reports[0].reports[0].timestamps) == [
-            "BOOTSTRAPPING",
-            "WAITING_FOR_INPUT",
-            "TRANSFERRING",
-            "SUCCESS",
-        ]
+def test_a_decode_that_raises_ends_the_outcome_failed_and_is_counted():
+    async def body(service, node):
+        def broken(*args):
+            raise RuntimeError("model bug")
+
+        service.source.decode = broken
+        job = assign(service)
+        done(service)
+        assert job.state is RoomState.SUCCESS
+        await until(lambda: job.outcome is not None)
+        assert (job.outcome, job.reason, job.output_ids) == ("failed", "decode_failed", None)
+        assert job.view()["state"] == "FAILED" and job.view()["transfer_state"] == "SUCCESS"
+        assert service.metrics.failures.labels("decode_failed")._value.get() == 1
+        assert service.pool.free_pages == 32
+
+    run(body)
+
+
+def test_assignments_reach_the_node_only_from_the_bootstrap():
+    async def body(service, node):
+        room = protocol.DecodeRoom(ROOM, 20, 5, "p", [PREFILL])
+        with pytest.raises(RejectedMessage, match="not the bootstrap"):
+            service.on_message(room, None, CurveKeys.generate().public)
+        assert node.assigned == [] and not service.rooms.live
+        service.on_message(room, None, None)  # the node hands it to every rank, this one included
+        assert node.assigned == [room]
 
     run(body)

@@ -4,12 +4,13 @@ import random
 import struct
 
 from shared import protocol
+from shared.aux_buffers import Aux
 
 Frames = list[bytes]
 
 
 def _room(rng: random.Random) -> int:
-    return rng.choice([0, 1, -1, 1 << 63, (1 << 63) - 1, rng.getrandbits(63), rng.getrandbits(64)])
+    return rng.choice([0, 1, -1, 1 << 53, (1 << 53) - 1, rng.getrandbits(52), rng.getrandbits(64)])
 
 
 def _int(rng: random.Random) -> int:
@@ -24,6 +25,9 @@ def _peers(rng: random.Random) -> list[protocol.PeerRank]:
             rng.choice(
                 ["tcp://127.0.0.1:1", "not an endpoint", "", f"tcp://127.0.0.1:{rng.randrange(1, 65536)}"]
             ),
+            rng.choice(["", "x" * 40, "?" * 40]),
+            _int(rng),
+            _int(rng),
         )
         for _ in range(rng.randrange(0, 3))
     ]
@@ -32,34 +36,38 @@ def _peers(rng: random.Random) -> list[protocol.PeerRank]:
 def random_message(rng: random.Random) -> Frames:
     """A message of a random kind with random, often invalid, field values."""
     room, rank = _room(rng), _int(rng)
-    token = rng.choice(["", "x", "0" * 32, "guess"])
     builders = [
         lambda: protocol.PrefillRoom(
-            room, rank, token, [rng.randrange(-5, 300) for _ in range(rng.randrange(0, 50))], "d", _peers(rng)
+            room, [rng.randrange(-5, 300) for _ in range(rng.randrange(0, 50))], "d", _peers(rng)
         ),
-        lambda: protocol.DecodeRoom(room, rank, token, _int(rng), _int(rng), "p", _peers(rng)),
-        lambda: protocol.AbortRoom(room, rank, token, "aborted"),
+        lambda: protocol.DecodeRoom(room, _int(rng), _int(rng), "p", _peers(rng)),
+        lambda: protocol.AbortRoom(room, rank, "aborted", rng.random() < 0.5),
         lambda: protocol.TransferRequest(
             room,
             rank,
             _int(rng),
-            "127.0.0.1:1",
             _int(rng),
             _int(rng),
             _int(rng),
             [_int(rng) for _ in range(rng.randrange(0, 20))],
             _int(rng),
-            "tcp://127.0.0.1:1",
         ),
         lambda: protocol.TransferAccepted(room, rank, _int(rng)),
         lambda: protocol.TransferStarted(room, rank, _int(rng)),
         lambda: protocol.RoomReleased(room, rank, _int(rng), rng.choice(["", "aborted"])),
         lambda: protocol.RoomReports("node", [protocol.RoomStatus(room, _int(rng), None, {}, None, {})]),
+        lambda: protocol.RoomReports(
+            "decode-0", [protocol.RoomStatus(room, 4, None, {}, [65], {}, "completed")]
+        ),
+        lambda: protocol.RoomTokens("decode-0", [protocol.TokenChunk(room, 0, [65])]),
+        lambda: protocol.RankStates(rank, [protocol.RankState(room, 4)]),
+        lambda: protocol.RankAgreed([protocol.RankState(room, 4)]),
     ]
     if rng.random() < 0.2:
-        done = protocol.KvDone(room, rank, _int(rng), _int(rng), _int(rng), _int(rng), 0.0)
-        aux = struct.pack("<qiif", rng.getrandbits(63), rng.randrange(300), rng.randrange(100), 0.0)
-        return protocol.encode(done, aux[: rng.choice([20, 20, 19, 0, 8])] + b"\0" * rng.choice([0, 0, 1]))
+        digests = [rng.getrandbits(63) for _ in range(rng.randrange(3))] if rng.random() < 0.5 else None
+        done = protocol.KvDone(room, rank, _int(rng), _int(rng), _int(rng), _int(rng), 0.0, digests)
+        aux = Aux(rng.getrandbits(52), rng.randrange(300), rng.randrange(100), 0.0).pack()
+        return protocol.encode(done, aux[: rng.choice([24, 24, 23, 0, 8])] + b"\0" * rng.choice([0, 0, 1]))
     return protocol.encode(rng.choice(builders)())
 
 
@@ -85,7 +93,7 @@ def mutate(rng: random.Random, frames: Frames) -> Frames:
 
 
 def garbage(rng: random.Random) -> Frames:
-    header = struct.pack("!4sHB", b"KVRM", rng.choice([1, 1, 0, 2]), rng.randrange(256))
+    header = struct.pack("!4sHB", b"KVRM", rng.choice([2, 2, 1, 3]), rng.randrange(256))
     first = header if rng.random() < 0.5 else rng.randbytes(rng.randrange(0, 12))
     return [first, *(rng.randbytes(rng.randrange(0, 64)) for _ in range(rng.randrange(0, 4)))]
 
@@ -103,5 +111,8 @@ def fuzz_frames(seed: int, count: int) -> list[Frames]:
             out.append(garbage(rng))
     # A few bodies over the protocol's limit, still under the socket's.
     for i in range(0, count, max(1, count // 4)):
-        out[i] = [struct.pack("!4sHB", b"KVRM", 1, 4), b"\x90" * (protocol.MAX_BODY_BYTES + 1)]
+        out[i] = [
+            struct.pack("!4sHB", b"KVRM", protocol.PROTOCOL_VERSION, 4),
+            b"\x90" * (protocol.MAX_BODY_BYTES + 1),
+        ]
     return out

@@ -5,7 +5,7 @@ import contextlib
 import pytest
 
 from shared import protocol
-from shared.aux_buffers import AUX_RECORD
+from shared.aux_buffers import AUX_RECORD, Aux
 from shared.model import encode_text, generate
 from tests.integration.helpers import metric, node_room, pools_full, wait_for
 from tests.integration.holding_proxy import in_front_of
@@ -93,7 +93,10 @@ def test_duplicated_aux_gives_one_success(stack, held, model):
         final = client.get(f"/rooms/{room}", params={"wait": 20}).json()
         assert final["state"] == "SUCCESS"
         assert final["output_ids"] == generate(model, encode_text("twice"), 5)
-        wait_for(lambda: rejected(decode, "finished") == 1, 10, "the duplicate dropped")
+        # Refused as a duplicate while the room decodes, or as late once it finished.
+        wait_for(
+            lambda: rejected(decode, "duplicate") + rejected(decode, "finished") == 1, 10, "the duplicate"
+        )
         assert metric(decode, "kvroom_room_transitions_total", 'state="SUCCESS"') == 1
         wait_for(lambda: pools_full(prefill, decode), 10, "pools back to full")
 
@@ -104,9 +107,11 @@ def test_aux_naming_another_room_fails_only_that_room(stack, held, model):
         a = client.post("/rooms", json={"prompt": "room a", "max_new_tokens": 5}).json()["room"]
         b = client.post("/rooms", json={"prompt": "room b", "max_new_tokens": 5}).json()["room"]
         wait_for(lambda: proxy.held_rooms() == {a, b}, 20, "both done+aux messages held")
-        header, body, record = proxy.held_for(a)
-        _, first, cached, logprob = AUX_RECORD.unpack(record)
-        proxy.inject([header, body, AUX_RECORD.pack(b, first, cached, logprob)])
+        frames = proxy.held_for(a)
+        header, body, record = frames
+        _, first, cached, logprob, _ = AUX_RECORD.unpack(record)
+        # An intact record (its own digest matches) that names another room.
+        proxy.inject([header, body, Aux(b, first, cached, logprob).pack()], like=frames)
         proxy.drop(a)
         final_a = client.get(f"/rooms/{a}", params={"wait": 20}).json()
         assert (final_a["state"], final_a["reason"]) == ("FAILED", "aux_invalid")

@@ -1,4 +1,7 @@
+"""The KV page pool: addresses, the free list, and who may free what."""
+
 import pytest
+import torch
 
 from shared.errors import PoolExhausted
 from shared.kv_layout import KVLayout
@@ -9,14 +12,21 @@ LAYOUT = KVLayout(num_layers=2, num_kv_heads=4, head_dim=16, page_size=16)
 
 def test_page_bytes_and_addresses():
     pool = KVPool(LAYOUT, 8)
-    assert LAYOUT.page_bytes == 2 * 2 * 16 * 4 * 16 * 4
+    assert pool.data.shape == (8, 4, 2, 2, 16, 16) and pool.data.dtype is torch.float32
+    assert LAYOUT.page_bytes == 4 * 2 * 2 * 16 * 16 * 4
     assert pool.nbytes == 8 * LAYOUT.page_bytes == pool.data.numel() * pool.data.element_size()
     assert pool.page_ptr(3) == pool.base_ptr + 3 * LAYOUT.page_bytes
     assert pool.data[3].data_ptr() == pool.page_ptr(3)
+    assert pool.data.is_contiguous()
     with pytest.raises(IndexError):
         pool.page_ptr(8)
     with pytest.raises(IndexError):
         pool.page_ptr(-1)
+
+
+def test_at_least_one_page():
+    with pytest.raises(ValueError):
+        KVPool(LAYOUT, 0)
 
 
 def test_alloc_free_and_exhaustion():
@@ -45,18 +55,21 @@ def test_double_free_and_foreign_pages_are_refused():
     assert pool.free_pages == 4
 
 
+def test_a_refused_free_frees_nothing():
+    pool = KVPool(LAYOUT, 4)
+    pages = pool.alloc(2)
+    with pytest.raises(ValueError):
+        pool.free([pages[0], 99])
+    assert pool.free_pages == 2
+    pool.free(pages)  # both were still in use
+    assert pool.free_pages == 4
+
+
 def test_exhaustion_takes_nothing():
     pool = KVPool(LAYOUT, 4)
     with pytest.raises(PoolExhausted):
         pool.alloc(5)
     assert pool.free_pages == 4
-
-
-def test_layout_mismatch_names_the_field():
-    assert LAYOUT.mismatch(LAYOUT) is None
-    other = KVLayout(num_layers=2, num_kv_heads=4, head_dim=16, page_size=32)
-    assert "page_size" in LAYOUT.mismatch(other)
-    assert LAYOUT.pages_for(1) == 1 and LAYOUT.pages_for(16) == 1 and LAYOUT.pages_for(17) == 2
 
 
 def test_freed_pages_are_reused_first_and_stay_one_run():
@@ -67,9 +80,22 @@ def test_freed_pages_are_reused_first_and_stay_one_run():
     assert pool.alloc(4) == a  # warm pages first, still consecutive
     pool.free(b)
     assert pool.alloc(2) == b[:2]
+    pool.free([5, 4])
+    assert pool.alloc(2) == [4, 5]  # in order, whatever order they were freed in
 
 
 def test_scattered_pools_break_runs():
     pool = KVPool(LAYOUT, 64, scatter=True)
     pages = pool.alloc(16)
     assert sorted(pages) != pages and len(set(pages)) == 16
+
+
+def test_synchronize_is_a_no_op_on_cpu(monkeypatch):
+    def no_cuda(*args: object) -> None:
+        raise AssertionError("a CPU pool must not wait for CUDA")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", no_cuda)
+    pool = KVPool(LAYOUT, 2)
+    pool.data[1] = 3.0
+    pool.synchronize()
+    assert bool((pool.data[1] == 3.0).all()) and not bool(pool.data[0].any())

@@ -1,32 +1,21 @@
+"""The engine wrapper: how each transport is set up, and the polled and blocking waits for writes.
+
+The engine's binding is replaced by scripted stand-ins, so these tests say nothing about real
+transfers (the integration tests do); they pin down what the wrapper does with what it is told.
+"""
+
 import pytest
 import torch
 
 from shared.errors import TransferError
-from shared.transfer import MAX_IN_FLIGHT, FakeEngine, MooncakeEngine, coalesce, engine_setup
-
-PB = 100
-
-
-def test_contiguous_pages_become_one_write():
-    assert coalesce(1000, [0, 1, 2, 3], 5000, [4, 5, 6, 7], PB) == [(1000, 5400, 400)]
-
-
-def test_runs_break_where_either_side_jumps():
-    writes = coalesce(0, [0, 1, 2, 3, 4], 0, [10, 11, 20, 21, 22], PB)
-    assert writes == [(0, 1000, 200), (200, 2000, 300)]
-    writes = coalesce(0, [0, 5, 6], 0, [1, 2, 3], PB)
-    assert writes == [(0, 100, 100), (500, 200, 200)]
-
-
-def test_scattered_pages_give_one_write_each():
-    assert len(coalesce(0, [0, 1, 2], 0, [9, 5, 1], PB)) == 3
-
-
-def test_empty_and_mismatched():
-    assert coalesce(0, [], 0, [], PB) == []
-    with pytest.raises(ValueError):
-        coalesce(0, [1], 0, [], PB)
-
+from shared.transfer import (
+    MAX_BATCH_ENTRIES,
+    MAX_IN_FLIGHT,
+    MooncakeEngine,
+    WriteUnresolved,
+    engine_setup,
+)
+from tests.fakes import FakeEngine
 
 STALE = {"MC_FORCE_TCP": "0", "MC_INTRANODE_NVLINK": "0", "MC_FORCE_MNNVL": "1", "OTHER": "kept"}
 
@@ -77,26 +66,22 @@ def test_fake_engine_moves_bytes_and_refuses_foreign_memory():
         a.write("nobody", [(src.data_ptr(), dst.data_ptr(), 1)])
 
 
-def test_long_runs_are_cut_at_the_write_limit():
-    assert coalesce(0, [0, 1, 2, 3, 4], 1000, [0, 1, 2, 3, 4], PB, max_bytes=200) == [
-        (0, 1000, 200),
-        (200, 1200, 200),
-        (400, 1400, 100),
-    ]
-    # Pages larger than the limit are cut too: a write is only a byte range.
-    assert coalesce(0, [0, 1], 1000, [5, 6], PB, max_bytes=80) == [
-        (0, 1500, 80),
-        (80, 1580, 80),
-        (160, 1660, 40),
-    ]
-
-
 class ScriptedBinding:
-    """Stands in for the engine's Python binding on the polled path: each write is
-    pending at its first look and then completes, or fails if it is ``fail_at``."""
+    """Stands in for the engine's Python binding on the polled path: each write is pending for its
+    first ``pending_looks`` looks and then completes, fails if it is ``fail_at``, or stays pending
+    for good if it is in ``stuck``."""
 
-    def __init__(self, fail_at: int | None = None, refuse_at: int | None = None):
-        self.fail_at, self.refuse_at = fail_at, refuse_at
+    def __init__(
+        self,
+        fail_at: int | None = None,
+        refuse_at: int | None = None,
+        refusal: int = 0,
+        stuck: frozenset[int] = frozenset(),
+        pending_status: int = 0,
+        pending_looks: int = 1,
+    ):
+        self.fail_at, self.refuse_at, self.refusal = fail_at, refuse_at, refusal
+        self.stuck, self.pending_status, self.pending_looks = stuck, pending_status, pending_looks
         self.submitted: list[int] = []
         self.finished: set[int] = set()
         self.looks: dict[int, int] = {}
@@ -104,7 +89,7 @@ class ScriptedBinding:
 
     def transfer_submit_write(self, peer: str, src: int, dst: int, length: int) -> int:
         if len(self.submitted) == self.refuse_at:
-            return 0
+            return self.refusal
         batch_id = 1000 + len(self.submitted)
         self.submitted.append(batch_id)
         self.most_in_flight = max(self.most_in_flight, len(self.submitted) - len(self.finished))
@@ -112,32 +97,136 @@ class ScriptedBinding:
 
     def transfer_check_status(self, batch_id: int) -> int:
         self.looks[batch_id] = self.looks.get(batch_id, 0) + 1
-        if self.looks[batch_id] == 1:
-            return 0
+        if self.looks[batch_id] <= self.pending_looks or batch_id - 1000 in self.stuck:
+            return self.pending_status
         self.finished.add(batch_id)
         return -1 if batch_id - 1000 == self.fail_at else 1
 
 
-def polled_engine(binding: ScriptedBinding) -> MooncakeEngine:
-    engine = MooncakeEngine.__new__(MooncakeEngine)  # no real engine: the binding is scripted
+def scripted_engine(binding: object, polled: bool = True) -> MooncakeEngine:
+    engine = object.__new__(MooncakeEngine)  # no real engine: the binding is scripted
     engine._engine = binding
-    engine._polled = True
+    engine._polled = polled
     return engine
 
 
 def test_polled_writes_keep_a_bounded_number_in_flight():
     binding = ScriptedBinding()
     count = 2 * MAX_IN_FLIGHT + 7
-    assert polled_engine(binding).write("peer", [(0, 0, 10)] * count) == 10 * count
+    assert scripted_engine(binding).write("peer", [(0, 0, 10)] * count) == 10 * count
     assert len(binding.submitted) == count
     assert binding.most_in_flight == MAX_IN_FLIGHT
     assert binding.finished == set(binding.submitted)
 
 
-@pytest.mark.parametrize("script", [{"fail_at": 3}, {"refuse_at": 5}])
+def test_no_writes_is_zero_bytes():
+    binding = ScriptedBinding()
+    assert scripted_engine(binding).write("peer", []) == 0
+    assert binding.submitted == []
+
+
+@pytest.mark.parametrize(
+    "script",
+    [
+        {"fail_at": 3},
+        {"fail_at": 0},
+        {"fail_at": MAX_IN_FLIGHT + 2},
+        {"refuse_at": 5},
+        {"refuse_at": 5, "refusal": -1},
+        {"refuse_at": 5, "refusal": (1 << 64) - 1},
+        {"refuse_at": MAX_IN_FLIGHT + 1},
+    ],
+)
 def test_a_failed_write_raises_only_once_nothing_submitted_is_still_moving(script):
     binding = ScriptedBinding(**script)
-    with pytest.raises(TransferError):
-        polled_engine(binding).write("peer", [(0, 0, 10)] * 10)
+    with pytest.raises(TransferError) as info:
+        scripted_engine(binding).write("peer", [(0, 0, 10)] * (MAX_IN_FLIGHT + 10))
+    assert not isinstance(info.value, WriteUnresolved)  # nothing is left moving
     assert binding.submitted  # some writes went out before the failure
     assert binding.finished == set(binding.submitted)
+
+
+def test_a_failure_stops_further_submits():
+    binding = ScriptedBinding(fail_at=0)
+    with pytest.raises(TransferError):
+        scripted_engine(binding).write("peer", [(0, 0, 10)] * (2 * MAX_IN_FLIGHT))
+    assert len(binding.submitted) == MAX_IN_FLIGHT  # the first wait saw the failure
+
+
+@pytest.mark.parametrize("pending_status", [0, -2])
+def test_writes_still_pending_at_the_deadline_are_named(pending_status):
+    # The others complete at their first look, which may come after the deadline passed.
+    binding = ScriptedBinding(stuck=frozenset({2, 5}), pending_status=pending_status, pending_looks=0)
+    with pytest.raises(WriteUnresolved) as info:
+        scripted_engine(binding).write("peer", [(0, 0, 10)] * 8, timeout_s=0.01)
+    assert info.value.pending == [1002, 1005]
+    assert isinstance(info.value, TransferError)
+    assert binding.finished == set(binding.submitted) - {1002, 1005}  # every other write was waited for
+
+
+def test_a_write_stuck_at_the_head_of_a_full_window_stops_submits():
+    binding = ScriptedBinding(stuck=frozenset({0}), pending_looks=0)
+    with pytest.raises(WriteUnresolved) as info:
+        scripted_engine(binding).write("peer", [(0, 0, 10)] * (MAX_IN_FLIGHT + 10), timeout_s=0.01)
+    assert info.value.pending == [1000]
+    assert len(binding.submitted) == MAX_IN_FLIGHT
+    assert binding.finished == set(binding.submitted) - {1000}
+
+
+def test_a_write_seen_pending_after_the_deadline_is_unresolved_too():
+    """Every write is pending at its first look: those first looked at after the deadline are named."""
+    binding = ScriptedBinding(stuck=frozenset({0}))
+    with pytest.raises(WriteUnresolved) as info:
+        scripted_engine(binding).write("peer", [(0, 0, 10)] * 3, timeout_s=0.01)
+    assert info.value.pending == [1000, 1001, 1002]
+
+
+def test_unresolved_names_the_writes_neither_done_nor_failed():
+    class Statuses:
+        def __init__(self) -> None:
+            self.asked: list[int] = []
+
+        def transfer_check_status(self, batch_id: int) -> int:
+            self.asked.append(batch_id)
+            return {1: 1, 2: -1, 3: 0, 4: -2, 5: 2}[batch_id]
+
+    binding = Statuses()
+    assert scripted_engine(binding).unresolved([1, 2, 3, 4, 5]) == [3, 4, 5]
+    assert binding.asked == [1, 2, 3, 4, 5]
+    assert scripted_engine(binding).unresolved([]) == []
+
+
+class BlockingBinding:
+    """Stands in for the binding's blocking calls: records them, returns ``rc`` from the ``fail_at``-th."""
+
+    def __init__(self, rc: int = 0, fail_at: int | None = None):
+        self.rc, self.fail_at = rc, fail_at
+        self.calls: list[tuple[str, int]] = []
+
+    def _answer(self) -> int:
+        return self.rc if len(self.calls) - 1 == self.fail_at else 0
+
+    def transfer_sync_write(self, peer: str, src: int, dst: int, length: int) -> int:
+        self.calls.append(("one", 1))
+        return self._answer()
+
+    def batch_transfer_sync_write(self, peer: str, src: list[int], dst: list[int], lengths: list[int]) -> int:
+        assert len(src) == len(dst) == len(lengths)
+        self.calls.append(("batch", len(src)))
+        return self._answer()
+
+
+def test_blocking_writes_go_in_batches_below_the_engine_limit():
+    binding = BlockingBinding()
+    writes = [(i, i, 3) for i in range(2 * MAX_BATCH_ENTRIES + 1)]
+    assert scripted_engine(binding, polled=False).write("peer", writes) == 3 * len(writes)
+    assert binding.calls == [("batch", MAX_BATCH_ENTRIES), ("batch", MAX_BATCH_ENTRIES), ("one", 1)]
+
+
+def test_a_failed_blocking_write_is_unresolved_and_stops():
+    binding = BlockingBinding(rc=-1, fail_at=0)
+    writes = [(i, i, 3) for i in range(2 * MAX_BATCH_ENTRIES)]
+    with pytest.raises(WriteUnresolved) as info:
+        scripted_engine(binding, polled=False).write("peer", writes)
+    assert info.value.pending == []  # the blocking call's ids cannot be asked after
+    assert binding.calls == [("batch", MAX_BATCH_ENTRIES)]
