@@ -109,6 +109,10 @@ class DecodeService(RankService):
             self._on_started(msg, sender)
         elif isinstance(msg, protocol.RoomReleased):
             self._on_released(msg, sender)
+        elif isinstance(msg, protocol.AbortRoom):
+            raise RejectedMessage(
+                "an abort from a key that is not the bootstrap's", room=msg.room, kind="unauthorized"
+            )
         else:
             raise RejectedMessage(f"a decode rank does not take {type(msg).__name__}", kind="unexpected")
 

@@ -246,6 +246,8 @@ class PrefillService(RankService):
             self.early.pop(msg.room, None)
         job = self.rooms.find(msg.room)
         if job is None:
+            if sender is not None:
+                raise RejectedMessage("abort for a room not known here", room=msg.room, kind="unknown_room")
             log.debug("room=%d abort for a room not known here", msg.room, extra={"room": msg.room})
             return
         assert isinstance(job, PrefillJob)

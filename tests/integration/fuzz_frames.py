@@ -33,6 +33,24 @@ def _peers(rng: random.Random) -> list[protocol.PeerRank]:
     ]
 
 
+def forgery(rng: random.Random) -> Frames:
+    """A well-formed message that only the bootstrap or a room's peer may send."""
+    room = rng.getrandbits(52) + 1
+    peer = protocol.PeerRank(0, "127.0.0.1:1", "tcp://127.0.0.1:1", "x" * 40, 0, 4)
+    return protocol.encode(
+        rng.choice(
+            [
+                protocol.PrefillRoom(room, [65, 66], "decode-0", [peer]),
+                protocol.DecodeRoom(room, 2, 3, "prefill-0", [peer]),
+                protocol.AbortRoom(room, 0, "aborted"),
+                protocol.RoomReports(
+                    "decode-0", [protocol.RoomStatus(room, 4, None, {}, [33], {}, "completed")]
+                ),
+            ]
+        )
+    )
+
+
 def random_message(rng: random.Random) -> Frames:
     """A message of a random kind with random, often invalid, field values."""
     room, rank = _room(rng), _int(rng)
@@ -103,7 +121,9 @@ def fuzz_frames(seed: int, count: int) -> list[Frames]:
     out: list[Frames] = []
     for _ in range(count):
         r = rng.random()
-        if r < 0.35:
+        if r < 0.1:
+            out.append(forgery(rng))
+        elif r < 0.35:
             out.append(random_message(rng))
         elif r < 0.8:
             out.append(mutate(rng, random_message(rng)))
