@@ -165,17 +165,27 @@ class LocalStack:
         self.services.append(service)
         return service
 
-    def node(self, role: str, node_id: str, args: list[str] | None = None) -> Service:
-        module = {"prefill": "prefill_node", "decode": "decode_node"}[role]
+    def node(
+        self,
+        role: str,
+        node_id: str,
+        args: list[str] | None = None,
+        module: str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> Service:
+        """A node of ``role``; ``module`` runs another entry point (a test's), with ``env`` added."""
+        module = module or {"prefill": "prefill_node", "decode": "decode_node"}[role]
         args = list(args or [])
         ranks = int(args[args.index("--tp-size") + 1]) if "--tp-size" in args else 1
         verify = ["--verify-kv"] if self.verify_kv else []
-        return self._service(
+        service = self._service(
             node_id,
             module,
             ["--node-id", node_id, "--bootstrap-url", self.bootstrap.url, *verify, *args],
             ranks,
         )
+        service.env = {**service.env, **(env or {})}
+        return service
 
     def start(
         self,

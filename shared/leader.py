@@ -8,6 +8,7 @@ placing rooms on it.
 """
 
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,7 @@ class NodeLeader:
         self.ranks: dict[int, RankInfo] = {0: rank.info()}
         self.health_of: dict[int, protocol.RankHealth] = {}
         self.alive: dict[int, bool] = {r: r == 0 for r in range(world)}
+        self.pids: dict[int, int | None] = {0: os.getpid()}
         self.broken: str | None = None
         self.draining = False
         self.started = time.time()
@@ -209,6 +211,7 @@ class NodeLeader:
                 {
                     **self.ranks[r].model_dump(),
                     "alive": self.alive.get(r, False),
+                    "pid": self.pids.get(r),
                     **(
                         {
                             k: getattr(h, k)

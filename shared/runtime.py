@@ -149,6 +149,7 @@ async def _leader(
     metrics = ServiceMetrics(role)
     links = RankLinks(rank.zmq, link_dir, world) if world > 1 else None
     leader = NodeLeader(role, node_id, rank, world, links)
+    leader.pids.update({r: child.pid for r, child in enumerate(children, start=1)})
     agree: agreement.Participant
     if world == 1:
         agree = agreement.Solo()
