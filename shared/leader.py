@@ -140,6 +140,7 @@ class NodeLeader:
             log.error("%s: the node is broken; failing its rooms", self.broken)
         for room in list(self.service.rooms.live):
             self.assign(protocol.AbortRoom(room=room, rank=0, reason=FailureReason.PEER_LOST))
+        self.membership.beat_now()  # the bootstrap stops placing rooms here now, not at the next beat
 
     # -- what the node says about itself ---------------------------------------------------
 

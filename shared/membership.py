@@ -9,6 +9,7 @@ node still knows reported again.
 """
 
 import asyncio
+import contextlib
 import enum
 import logging
 from collections.abc import Callable
@@ -77,6 +78,7 @@ class Membership:
         self._report_timer: asyncio.Handle | None = None
         self._pending_tokens: list[protocol.TokenChunk] = []
         self.loop: asyncio.AbstractEventLoop | None = None
+        self._beat_now = asyncio.Event()
 
     def is_bootstrap(self, sender: str | None) -> bool:
         """Whether ``sender`` is a bootstrap of our cluster (anyone, with security off)."""
@@ -201,7 +203,13 @@ class Membership:
                     await asyncio.sleep(retry)
                     retry = min(MAX_RETRY_S, retry * 2)
                     continue
-                await asyncio.sleep(s.heartbeat_interval_s)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._beat_now.wait(), s.heartbeat_interval_s)
+                self._beat_now.clear()
+
+    def beat_now(self) -> None:
+        """Send the next heartbeat at once: the node's health changed."""
+        self._beat_now.set()
 
     async def leave(self) -> None:
         """Drain: tell the bootstrap to place nothing more here. Reports keep flowing."""
