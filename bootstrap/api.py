@@ -17,7 +17,6 @@ from bootstrap.cluster import Cluster, NoLiveNode
 from bootstrap.registry import Incompatible, Node
 from bootstrap.rooms import RoomRecord
 from shared.metrics import CONTENT_TYPE_LATEST
-from shared.model import ModelConfig, encode_text
 from shared.registration import Heartbeat, NodeRegistration
 from shared.security import bearer, secrets_match
 
@@ -43,15 +42,14 @@ async def api_key_checked(cluster: ClusterDep, authorization: Authorization = No
         raise HTTPException(401, "a valid API key is required", headers=UNAUTHORIZED)
 
 
-VOCAB = ModelConfig().vocab_size
 StateName = Literal["FAILED", "BOOTSTRAPPING", "WAITING_FOR_INPUT", "TRANSFERRING", "SUCCESS"]
 
 
 class RoomRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    prompt: str | None = Field(None, min_length=1, description="text, tokenized as UTF-8 bytes")
-    input_ids: list[Annotated[int, Field(ge=0, lt=VOCAB)]] | None = Field(None, min_length=1)
+    prompt: str | None = Field(None, min_length=1, description="text, tokenized with the model's tokenizer")
+    input_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, min_length=1)
     max_new_tokens: int = Field(16, ge=1)
 
     @model_validator(mode="after")
@@ -60,8 +58,13 @@ class RoomRequest(BaseModel):
             raise ValueError("give exactly one of prompt or input_ids")
         return self
 
-    def tokens(self) -> list[int]:
-        return self.input_ids if self.input_ids is not None else encode_text(self.prompt or "")
+    def tokens(self, cluster: Cluster) -> list[int]:
+        if self.input_ids is None:
+            return cluster.tokenizer.encode(self.prompt or "")
+        vocab = cluster.tokenizer.vocab_size
+        if any(t >= vocab for t in self.input_ids):
+            raise HTTPException(422, f"input_ids must be below the vocabulary size {vocab}")
+        return self.input_ids
 
 
 nodes = APIRouter(tags=["nodes"], dependencies=[Depends(join_token_checked)])
@@ -155,7 +158,7 @@ def place(
 async def create_room(body: RoomRequest, cluster: ClusterDep, wait: WaitQuery = 0) -> Response:
     """Create a room; with ``?wait=`` answer once it finished or the wait ran out."""
     check_wait(cluster, wait)  # before the room is placed
-    record = place(cluster, body.tokens(), body.max_new_tokens, [], False)
+    record = place(cluster, body.tokens(cluster), body.max_new_tokens, [], False)
     await wait_finished(record, wait)
     return room_response(record, 201)
 

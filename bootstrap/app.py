@@ -9,10 +9,12 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from bootstrap import api, status_page
+from bootstrap import api, openai_api, status_page
 from bootstrap.cluster import Cluster
+from bootstrap.openai_api import OpenAIError, openai_error
 from bootstrap.settings import BootstrapSettings
 from shared.heap import freeze_startup_heap
 from shared.metrics import NO_OPENTELEMETRY
@@ -135,8 +137,11 @@ def create_app(settings: BootstrapSettings) -> FastAPI:
     )
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     app.add_exception_handler(RequestValidationError, invalid_request)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(OpenAIError, openai_error)
     app.include_router(api.nodes)
     app.include_router(api.nodes_open)
+    app.include_router(openai_api.router)
     app.include_router(api.rooms)
     app.include_router(api.ops)
     app.include_router(status_page.router)

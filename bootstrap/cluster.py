@@ -8,16 +8,17 @@ socket, with the output.
 import asyncio
 import logging
 import secrets
+import time
 
 import zmq
 
 from bootstrap.registry import Incompatible, Node, NodeRegistry
 from bootstrap.rooms import RoomBook, RoomRecord
 from bootstrap.settings import BootstrapSettings
+from bootstrap.tokenizer import load_tokenizer
 from shared import protocol
 from shared.errors import RejectedMessage
 from shared.metrics import ServiceMetrics
-from shared.model import decode_text
 from shared.registration import NodeRegistration, Registered
 from shared.security import Security, ZapHandler, security_for
 from shared.states import FailureReason, RoomState
@@ -52,7 +53,8 @@ class Cluster:
         self._zap = ZapHandler(self.zmq) if self.security.keys is not None else None
         self.push = PushSockets(self.zmq, self.security)
         self.id = secrets.token_hex(8)  # changes with every start: nodes report their rooms again
-        self.detokenize = decode_text
+        self.started = int(time.time())
+        self.tokenizer = load_tokenizer(settings.model)
 
     @property
     def report_endpoint(self) -> str:
@@ -74,6 +76,11 @@ class Cluster:
     def register(self, reg: NodeRegistration) -> Node:
         if self.security.keys is not None and not all(r.public_key for r in reg.ranks):
             raise Incompatible("ZMQ security is on here: every rank must give its CURVE public key")
+        if reg.model.tokenizer != self.tokenizer.digest:
+            raise Incompatible(
+                f"tokenizer differs from the bootstrap's ({self.settings.model}): "
+                f"{reg.model.tokenizer} != {self.tokenizer.digest}"
+            )
         node, previous = self.registry.register(reg)
         if previous is not None:
             # A restarted node lost whatever it held; its old endpoints may be gone.
@@ -119,7 +126,7 @@ class Cluster:
         decode = self.registry.pick("decode")
         if decode is None:
             raise NoLiveNode("decode")
-        record = RoomRecord(self.book.new_id(), input_ids, max_new_tokens, prefill, decode, self.detokenize)
+        record = RoomRecord(self.book.new_id(), input_ids, max_new_tokens, prefill, decode, self.tokenizer.decode)
         self.book.add(record)
         self.metrics.transitions.labels(RoomState.BOOTSTRAPPING.name).inc()
         log.info(

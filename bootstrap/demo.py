@@ -1,9 +1,10 @@
 """The demo workload: start the three services on 127.0.0.1 over TCP, run rooms, check every output.
 
-    python -m bootstrap.demo [--rooms 16] [--max-new-tokens 24] [--log-dir DIR]
+    python -m bootstrap.demo [--rooms 16] [--max-new-tokens 24] [--prefill-tp N] [--decode-tp N]
+                             [--log-dir DIR]
 
 Exits 0 only if every room reached SUCCESS with exactly the tokens of a
-single-process run of the same model on the same prompt.
+single-process, single-rank run of the same model on the same prompt.
 """
 
 import argparse
@@ -77,22 +78,28 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bootstrap.demo", description=__doc__.split("\n")[0])
     parser.add_argument("--rooms", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=24)
+    parser.add_argument("--prefill-tp", type=int, default=1, help="tensor-parallel ranks of the prefill node")
+    parser.add_argument("--decode-tp", type=int, default=1, help="tensor-parallel ranks of the decode node")
     parser.add_argument("--log-dir", type=Path, default=None)
     args = parser.parse_args(argv)
     configure_determinism()
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="kvroom-demo-"))
     texts = prompts(args.rooms)
-    print(f"starting bootstrap, prefill and decode on 127.0.0.1 (logs in {log_dir})", flush=True)
+    print(
+        f"starting bootstrap, prefill (tp={args.prefill_tp}) and decode (tp={args.decode_tp}) on 127.0.0.1, "
+        f"CURVE on, KV verified (logs in {log_dir})",
+        flush=True,
+    )
     with LocalStack(log_dir) as stack:
-        stack.start()
+        stack.start(["--tp-size", str(args.prefill_tp)], ["--tp-size", str(args.decode_tp)])
         print(f"running {len(texts)} rooms through POST /rooms", flush=True)
         started = time.perf_counter()
         results = asyncio.run(run_rooms(stack.bootstrap.url, texts, args.max_new_tokens))
         elapsed = time.perf_counter() - started
-    print(f"all rooms finished in {elapsed:.2f}s; checking against the colocated run", flush=True)
+    print(f"all rooms finished in {elapsed:.2f}s; checking against the colocated single-rank run", flush=True)
     model = ReferenceModel()
     print(
-        f"\n{'room':>20} {'prompt':>6} {'new':>4} {'state':>8} {'prefill ms':>10} "
+        f"\n{'room':>17} {'prompt':>6} {'new':>4} {'state':>8} {'prefill ms':>10} "
         f"{'xfer ms':>8} {'decode ms':>9}  match"
     )
     ok = 0
@@ -102,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         ok += match
         t = body["timings"]
         print(
-            f"{body['room']:>20} {body['prompt_tokens']:>6} {len(body['output_ids'] or []):>4} "
+            f"{body['room']:>17} {body['prompt_tokens']:>6} {len(body['output_ids'] or []):>4} "
             f"{body['state']:>8} {ms(t, 'prefill_s'):>10} {ms(t, 'transfer_s'):>8} "
             f"{ms(t, 'decode_s'):>9}  {'yes' if match else 'NO'}"
         )

@@ -18,11 +18,19 @@ class BootstrapSettings(ServiceSettings):
         None, description="key clients must present as Authorization: Bearer on /rooms (default: none asked)"
     )
     api_key_file: Path | None = Field(None, description="file holding the client API key")
+    model: str = Field(
+        "reference",
+        description="the model the cluster serves, for its tokenizer: reference, synthetic, "
+        "or the Hugging Face model directory (or cached hub id) the nodes load",
+    )
     node_ttl_s: float = Field(5.0, gt=0, description="a node silent this long is marked dead")
     max_prompt_tokens: int = Field(4096, ge=1, description="longest prompt a room may carry, in tokens")
     max_new_tokens: int = Field(1024, ge=1, description="most tokens a room may ask to generate")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="larger request bodies are refused unread")
     max_wait_s: float = Field(60.0, gt=0, description="longest ?wait= a client may ask for")
+    request_timeout_s: float = Field(
+        300.0, gt=0, description="longest an OpenAI-style request waits for its room to finish"
+    )
     room_history: int = Field(10_000, ge=1, description="finished rooms kept for GET /rooms")
 
     def resolved_api_key(self) -> str | None:

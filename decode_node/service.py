@@ -296,7 +296,6 @@ class DecodeService(RankService):
             return
         assert isinstance(verdict, Ready)
         job.first_token = verdict.aux.first_token
-        job.timings["request_to_success_s"] = time.perf_counter() - job.requested_at
         self.set_local(job, RoomState.SUCCESS, digest=record_digest(verdict.record))
 
     def _on_released(self, msg: protocol.RoomReleased, sender: str | None) -> None:
@@ -340,6 +339,7 @@ class DecodeService(RankService):
             self._succeeded(job)
 
     def _succeeded(self, job: DecodeJob) -> None:
+        job.timings["request_to_success_s"] = time.perf_counter() - job.requested_at
         done_at = max(job.completed_at.values(), default=time.time())
         aux_latency = max(0.0, time.time() - done_at)
         job.timings["aux_latency_s"] = aux_latency
@@ -361,7 +361,12 @@ class DecodeService(RankService):
             self.spawn(self._decoded(job, None, args))
         else:
             # Submitted now, in the agreed order: the order of the ranks' collectives.
-            self.spawn(self._decoded(job, self.model.submit(self.source.decode, *args), args))
+            self.spawn(self._decoded(job, self.model.submit(self._decode, *args), args))
+
+    def _decode(self, *args: Any) -> tuple[Decoded, float]:
+        """In the model thread: the decode, and how long it took there (not counting its wait)."""
+        started = time.perf_counter()
+        return self.source.decode(*args), time.perf_counter() - started
 
     def _streamer(self, job: DecodeJob) -> Callable[[int], None]:
         offset = 0
@@ -374,15 +379,20 @@ class DecodeService(RankService):
         return on_token
 
     async def _decoded(
-        self, job: DecodeJob, future: "concurrent.futures.Future[Decoded] | None", args: tuple[Any, ...]
+        self,
+        job: DecodeJob,
+        future: "concurrent.futures.Future[tuple[Decoded, float]] | None",
+        args: tuple[Any, ...],
     ) -> None:
-        started = time.perf_counter()
         outcome: str = "completed"
         reason: str | None = None
         try:
-            result = self.source.decode(*args) if future is None else await asyncio.wrap_future(future)
+            if future is None:
+                result, seconds = self._decode(*args)
+            else:
+                result, seconds = await asyncio.wrap_future(future)
             job.output_ids, job.finish_reason = result.output_ids, result.finish_reason
-            job.timings["decode_s"] = time.perf_counter() - started
+            job.timings["decode_s"] = seconds
         except Exception:
             log.exception("room=%d decode failed", job.id, extra={"room": job.id})
             outcome, reason = "failed", FailureReason.DECODE_FAILED

@@ -1,4 +1,5 @@
-"""The README documents every setting and the two commands CI relies on."""
+"""The README documents every setting and failure reason, its generated blocks are current,
+and it gives the two commands CI relies on."""
 
 from pathlib import Path
 
@@ -6,10 +7,16 @@ import pytest
 
 from bootstrap.settings import BootstrapSettings
 from decode_node.settings import DecodeSettings
+from launcher import readme
 from prefill_node.settings import PrefillSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
+
+
+def test_generated_blocks_are_current():
+    """`python -m launcher.readme` rewrites them: run it after changing a setting or benchmarking."""
+    assert readme.render(README, readme.blocks()) == README
 
 
 @pytest.mark.parametrize("cls", [BootstrapSettings, PrefillSettings, DecodeSettings])

@@ -1,0 +1,79 @@
+"""The README's generated blocks: every setting, from the settings classes; the benchmark's tables,
+from its latest run. ``python -m launcher.readme`` rewrites them; the tests check they are current.
+
+A block sits between ``<!-- NAME:start -->`` and ``<!-- NAME:end -->``.
+"""
+
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from pydantic_settings import BaseSettings
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+BENCH_REPORT = ROOT / "bench" / "results" / "results.md"
+
+
+def _default(value: Any) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, Path):
+        return f"`{value}`"
+    return f"`{value}`"
+
+
+def settings_table(cls: type[BaseSettings]) -> str:
+    prefix = cls.model_config["env_prefix"]
+    prog = cls.model_config["cli_prog_name"]
+    rows = [
+        f"`{prog}` (environment prefix `{prefix}`):",
+        "",
+        "| flag | environment variable | default | meaning |",
+        "|---|---|---|---|",
+    ]
+    for name, field in cls.model_fields.items():
+        secret = "secret" in str(field.annotation).lower()
+        default = "—" if secret and field.default is None else _default(field.default)
+        rows.append(
+            f"| `--{name.replace('_', '-')}` | `{prefix}{name.upper()}` | {default} | {field.description or ''} |"
+        )
+    return "\n".join(rows)
+
+
+def settings_block() -> str:
+    from bootstrap.settings import BootstrapSettings
+    from decode_node.settings import DecodeSettings
+    from prefill_node.settings import PrefillSettings
+
+    return "\n\n".join(settings_table(cls) for cls in (BootstrapSettings, PrefillSettings, DecodeSettings))
+
+
+def blocks() -> dict[str, str]:
+    found = {"settings": settings_block()}
+    if BENCH_REPORT.exists():
+        found["benchmark"] = BENCH_REPORT.read_text().strip()
+    return found
+
+
+def render(text: str, generated: dict[str, str]) -> str:
+    for name, body in generated.items():
+        pattern = re.compile(rf"(<!-- {name}:start -->\n).*?(<!-- {name}:end -->)", re.S)
+        if not pattern.search(text):
+            raise ValueError(f"README has no {name} block")
+        text = pattern.sub(lambda m, body=body: m.group(1) + body + "\n" + m.group(2), text)
+    return text
+
+
+def main() -> int:
+    text = README.read_text()
+    new = render(text, blocks())
+    if new != text:
+        README.write_text(new)
+        print("README.md: generated blocks rewritten")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
