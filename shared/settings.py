@@ -97,8 +97,9 @@ class NodeSettings(ServiceSettings):
     engine_host: str | None = Field(
         None, description="hostname the transfer engine listens on (default: advertise host)"
     )
-    device: Literal["cpu", "cuda"] = Field(
-        "cpu", description="where the model and KV pool live (rank r: cuda:r)"
+    device: Literal["cpu", "cuda"] = Field("cpu", description="where the model and KV pool live")
+    gpus: str = Field(
+        "", description="CUDA devices of ranks 0..n-1, comma separated (default: 0..n-1); with device=cuda"
     )
     tp_size: int = Field(1, ge=1, le=64, description="tensor-parallel ranks of this node, one process each")
     model: str = Field(
@@ -151,15 +152,26 @@ class NodeSettings(ServiceSettings):
             raise ValueError("the reference model computes in float64")
         return self
 
+    @property
+    def gpu_indices(self) -> list[int]:
+        if not self.gpus:
+            return list(range(self.tp_size))
+        return [int(g) for g in self.gpus.split(",")]
+
     @model_validator(mode="after")
     def _cuda_needs_a_gpu(self) -> "NodeSettings":
+        if self.gpus and not all(g.strip().isdigit() for g in self.gpus.split(",")):
+            raise ValueError(f"gpus {self.gpus!r} is not a comma-separated list of device indices")
+        if self.gpus and len(self.gpu_indices) != self.tp_size:
+            raise ValueError(f"gpus names {len(self.gpu_indices)} devices for {self.tp_size} ranks")
         if self.device == "cuda":
             import torch
 
-            if torch.cuda.device_count() < self.tp_size:
+            missing = [g for g in self.gpu_indices if g >= torch.cuda.device_count()]
+            if missing:
                 raise ValueError(
-                    f"device=cuda with tp_size={self.tp_size} needs {self.tp_size} CUDA devices, "
-                    f"this host has {torch.cuda.device_count()}"
+                    f"device=cuda: CUDA devices {missing} are not visible; this host shows "
+                    f"{torch.cuda.device_count()}"
                 )
         return self
 
@@ -172,7 +184,7 @@ class NodeSettings(ServiceSettings):
         return "bfloat16" if self.device == "cuda" else "float32"
 
     def rank_device(self, rank: int) -> str:
-        return "cpu" if self.device == "cpu" else f"cuda:{rank}"
+        return "cpu" if self.device == "cpu" else f"cuda:{self.gpu_indices[rank]}"
 
     def resolved_node_id(self, role: str) -> str:
         return self.node_id or f"{role}-{socket.gethostname()}-{os.getpid()}"

@@ -14,6 +14,7 @@ from pydantic_settings import BaseSettings
 from bootstrap.settings import BootstrapSettings
 from decode_node.settings import DecodeSettings
 from prefill_node.settings import PrefillSettings
+from shared.settings import SHARED_JOIN_TOKEN
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKER = ROOT / "docker"
@@ -78,6 +79,7 @@ def test_services_run_real_entry_points_with_real_settings(variant):
         cls = SETTINGS[package]
         prefix = cls.model_config["env_prefix"]
         env = {k: with_defaults(v) for k, v in svc["environment"].items()}
+        assert env.pop(SHARED_JOIN_TOKEN) == "", name  # one secret for all, set by the operator
         fields = {}
         for key, value in env.items():
             assert key.startswith(prefix), f"{name}: {key} is not a {prefix} setting"
@@ -86,6 +88,8 @@ def test_services_run_real_entry_points_with_real_settings(variant):
             fields[field] = value
         if fields.get("device") == "cuda":  # validated on a GPU host at start-up; the name is checked here
             fields["device"] = "cpu"
+        if "model" in fields:
+            assert fields["model"] == "reference"  # the default; KVROOM_MODEL names a directory under /models
         settings = cls(**fields)
         health = svc["healthcheck"]["test"]
         assert health[:3] == ["CMD", "curl", "-fsS"]
@@ -103,18 +107,30 @@ def test_entry_points_start():
         assert out.returncode == 0 and "usage:" in out.stdout, package
 
 
-def test_gpu_variant_reserves_one_gpu_per_node_and_sets_the_transport():
+def test_gpu_variant_shows_every_gpu_and_each_node_picks_its_own():
+    """The NVLink transport opens the peer GPU's memory: each node container sees both GPUs."""
     services = VARIANTS["gpu"]
-    for name, gpu_default in (("prefill", "0"), ("decode", "1")):
+    for name, gpus in (("prefill", "0"), ("decode", "1")):
         svc = services[name]
         (device,) = svc["deploy"]["resources"]["reservations"]["devices"]
-        assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
-        assert [with_defaults(d) for d in device["device_ids"]] == [gpu_default]
+        assert device == {"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}
         assert svc["ipc"] == "host" and svc["shm_size"]
         assert svc["ulimits"]["memlock"] == -1
         prefix = "KVROOM_PREFILL_" if name == "prefill" else "KVROOM_DECODE_"
-        assert svc["environment"][prefix + "TRANSPORT"] == "${KVROOM_TRANSPORT:-nvlink}"
-        assert svc["environment"][prefix + "DEVICE"] == "cuda"
+        env = svc["environment"]
+        assert env[prefix + "TRANSPORT"] == "${KVROOM_TRANSPORT:-nvlink}"
+        assert env[prefix + "DEVICE"] == "cuda"
+        assert with_defaults(env[prefix + "GPUS"]) == gpus
+        assert env[prefix + "TP_SIZE"] == f"${{{prefix}TP_SIZE:-1}}"
+        assert env[prefix + "MODEL"] == "${KVROOM_MODEL:-reference}"
+        assert env[prefix + "DTYPE"] == "${KVROOM_DTYPE:-auto}"
+        assert "${KVROOM_MODELS_DIR:-./models}:/models:ro" in svc["volumes"]
+
+
+def test_compose_v2_is_stated_where_users_look():
+    head = (DOCKER / "compose.yaml").read_text().splitlines()[0]
+    assert "Docker Compose v2.24" in head
+    assert "Docker Compose v2.24" in (ROOT / "README.md").read_text()
 
 
 def test_cpu_variant_drops_gpus():
@@ -122,6 +138,8 @@ def test_cpu_variant_drops_gpus():
         svc = VARIANTS["cpu"][name]
         assert "deploy" not in svc
         assert svc["build"]["dockerfile"] == "docker/Dockerfile.cpu"
+        prefix = "KVROOM_PREFILL_" if name == "prefill" else "KVROOM_DECODE_"
+        assert svc["environment"][prefix + "GPUS"] == ""
         assert with_defaults(svc["image"]) == "kvroom:cpu"
 
 
