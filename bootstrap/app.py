@@ -86,7 +86,10 @@ def _printable(value: Any) -> Any:
 
 
 async def invalid_request(request: Request, exc: Exception) -> JSONResponse:
-    """422 with what was wrong and where, never the input itself: it may not even be encodable."""
+    """422 with what was wrong and where, never the input itself: it may not even be encodable.
+
+    Under /v1 the OpenAI shape: 400 with the first problem and the parameter it concerns.
+    """
     assert isinstance(exc, RequestValidationError)
     detail = [
         {
@@ -96,7 +99,20 @@ async def invalid_request(request: Request, exc: Exception) -> JSONResponse:
         }
         for error in exc.errors()
     ]
+    if request.url.path.startswith("/v1/"):
+        first = detail[0] if detail else {"loc": [], "msg": "invalid request"}
+        param = ".".join(str(p) for p in first["loc"][1:]) or None
+        return OpenAIError(400, f"{param or 'body'}: {first['msg']}", param=param).response()
     return JSONResponse({"detail": detail}, status_code=422)
+
+
+async def http_error(request: Request, exc: Exception) -> JSONResponse:
+    """FastAPI's own shape, or OpenAI's under /v1."""
+    assert isinstance(exc, StarletteHTTPException)
+    if request.url.path.startswith("/v1/"):
+        code = "invalid_api_key" if exc.status_code == 401 else None
+        return OpenAIError(exc.status_code, str(exc.detail), code=code).response()
+    return JSONResponse({"detail": exc.detail}, status_code=exc.status_code, headers=exc.headers)
 
 
 def warn_if_open(settings: BootstrapSettings, join_token: str | None) -> None:

@@ -41,7 +41,7 @@ class Cluster:
         self.api_key = settings.resolved_api_key()
         self.registry = NodeRegistry(settings.node_ttl_s)
         self.book = RoomBook(settings.room_history)
-        self.metrics = ServiceMetrics("bootstrap")
+        self.metrics = ServiceMetrics("bootstrap", "bootstrap")
         self.metrics.count_states(lambda: [r.state for r in self.book.rooms.values()])
         for role in ("prefill", "decode"):
             self.metrics.gauge_function(
@@ -126,7 +126,9 @@ class Cluster:
         decode = self.registry.pick("decode")
         if decode is None:
             raise NoLiveNode("decode")
-        record = RoomRecord(self.book.new_id(), input_ids, max_new_tokens, prefill, decode, self.tokenizer.decode)
+        record = RoomRecord(
+            self.book.new_id(), input_ids, max_new_tokens, prefill, decode, self.tokenizer.decode
+        )
         self.book.add(record)
         self.metrics.transitions.labels(RoomState.BOOTSTRAPPING.name).inc()
         log.info(
@@ -172,6 +174,7 @@ class Cluster:
 
     def _count_end(self, record: RoomRecord) -> None:
         state = "FAILED" if record.outcome == "failed" else record.state.name
+        self.metrics.room_seconds.labels(state).observe(time.monotonic() - record.placed_at)
         self.metrics.transitions.labels(state).inc()
         if state == "FAILED":
             self.metrics.failures.labels(record.reason or "unknown").inc()
@@ -197,10 +200,12 @@ class Cluster:
                     extra={"room": status.room},
                 )
                 continue
-            was_done = record.done.is_set()
+            was_done, was_success = record.done.is_set(), record.state is RoomState.SUCCESS
             role = "prefill" if node is record.prefill else "decode"
             for other in self.book.apply(record, role, status):
                 self._abort_on(other, record, record.reason or "")
+            if record.state is RoomState.SUCCESS and not was_success:
+                self.metrics.time_to_success.observe(time.monotonic() - record.placed_at)
             if record.done.is_set() and not was_done:
                 self._count_end(record)
 

@@ -25,8 +25,14 @@ router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Depends(api_key_
 
 
 class OpenAIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):  # fmt: skip
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 
@@ -102,13 +108,18 @@ async def _finished(cluster: Any, record: RoomRecord) -> None:
         raise OpenAIError(504, f"room {record.id} did not finish in time", "server_error") from exc
     view = record.view()
     if view["state"] == "FAILED":
-        raise OpenAIError(502, f"room {record.id} failed: {record.reason}", "server_error", code=record.reason)
+        raise OpenAIError(
+            502, f"room {record.id} failed: {record.reason}", "server_error", code=record.reason
+        )
 
 
 def _usage(record: RoomRecord) -> dict[str, int]:
     out = len(record.output_ids or record.streamed)
-    return {"prompt_tokens": len(record.input_ids), "completion_tokens": out,
-            "total_tokens": len(record.input_ids) + out}  # fmt: skip
+    return {
+        "prompt_tokens": len(record.input_ids),
+        "completion_tokens": out,
+        "total_tokens": len(record.input_ids) + out,
+    }
 
 
 def _place(cluster: Any, ids: list[int], max_tokens: int, body: Sampling) -> RoomRecord:
@@ -118,8 +129,11 @@ def _place(cluster: Any, ids: list[int], max_tokens: int, body: Sampling) -> Roo
         return place(cluster, ids, max_tokens, body.stops(), body.stream)
     except Exception as exc:
         status = getattr(exc, "status_code", 500)
-        raise OpenAIError(status, str(getattr(exc, "detail", exc)), "server_error" if status >= 500 else
-                          "invalid_request_error") from exc  # fmt: skip
+        raise OpenAIError(
+            status,
+            str(getattr(exc, "detail", exc)),
+            "server_error" if status >= 500 else "invalid_request_error",
+        ) from exc
 
 
 class _Streamer:
@@ -132,8 +146,11 @@ class _Streamer:
         self._sent = 0
 
     def delta(self, final: bool) -> str:
-        text = self._decode(self._record.output_ids if final and self._record.output_ids is not None else
-                            self._record.streamed)  # fmt: skip
+        text = self._decode(
+            self._record.output_ids
+            if final and self._record.output_ids is not None
+            else self._record.streamed
+        )
         cut = _cut(text, self._stops)
         if not final:
             if cut != text:  # a stop string appeared: nothing after it ever goes out
@@ -147,7 +164,9 @@ class _Streamer:
         return out
 
 
-async def _events(cluster: Any, record: RoomRecord, stops: list[str], chunk: Any, usage: bool) -> AsyncIterator[bytes]:
+async def _events(
+    cluster: Any, record: RoomRecord, stops: list[str], chunk: Any, usage: bool
+) -> AsyncIterator[bytes]:
     def event(payload: dict[str, Any]) -> bytes:
         return b"data: " + msgspec.json.encode(payload) + b"\n\n"
 
@@ -168,8 +187,12 @@ async def _events(cluster: Any, record: RoomRecord, stops: list[str], chunk: Any
             break
     view = record.view()
     if view["state"] == "FAILED" or not record.done.is_set():
-        error = {"message": f"room {record.id} failed: {record.reason or 'timeout'}", "type": "server_error",
-                 "param": None, "code": record.reason}  # fmt: skip
+        error = {
+            "message": f"room {record.id} failed: {record.reason or 'timeout'}",
+            "type": "server_error",
+            "param": None,
+            "code": record.reason,
+        }
         yield event({"error": error})
     else:
         text = streamer.delta(final=True)
@@ -189,7 +212,14 @@ def _stream(events: AsyncIterator[bytes]) -> StreamingResponse:
 async def list_models(cluster: ClusterDep) -> dict[str, Any]:
     return {
         "object": "list",
-        "data": [{"id": cluster.tokenizer.name, "object": "model", "created": cluster.started, "owned_by": "kvroom"}],
+        "data": [
+            {
+                "id": cluster.tokenizer.name,
+                "object": "model",
+                "created": cluster.started,
+                "owned_by": "kvroom",
+            }
+        ],
     }
 
 
@@ -201,8 +231,13 @@ async def completions(body: CompletionRequest, cluster: ClusterDep) -> Response:
     created, rid = int(time.time()), f"cmpl-{record.id}"
 
     def chunk(text: str, finish: str | None, first: bool = False) -> dict[str, Any]:
-        return {"id": rid, "object": "text_completion", "created": created, "model": body.model,
-                "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]}  # fmt: skip
+        return {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": body.model,
+            "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}],
+        }
 
     usage = bool(body.stream_options and body.stream_options.include_usage)
     if body.stream:
@@ -227,8 +262,13 @@ async def chat_completions(body: ChatRequest, cluster: ClusterDep) -> Response:
         delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
         if finish is not None:
             delta = {}
-        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": body.model,
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}  # fmt: skip
+        return {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": body.model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}],
+        }
 
     usage = bool(body.stream_options and body.stream_options.include_usage)
     if body.stream:
@@ -241,8 +281,14 @@ async def chat_completions(body: ChatRequest, cluster: ClusterDep) -> Response:
             "object": "chat.completion",
             "created": created,
             "model": body.model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "finish_reason": record.finish_reason or "length", "logprobs": None}],  # fmt: skip
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": record.finish_reason or "length",
+                    "logprobs": None,
+                }
+            ],
             "usage": _usage(record),
         }
     )

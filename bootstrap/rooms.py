@@ -4,6 +4,7 @@ import asyncio
 import collections
 import logging
 import secrets
+import time
 from collections.abc import Callable
 
 from bootstrap.registry import Node
@@ -39,6 +40,7 @@ class RoomRecord(Room):
         self.decode = decode
         self._detokenize = detokenize
         self.node_states: dict[str, dict[str, object]] = {}
+        self.placed_at = time.monotonic()
         self.done = asyncio.Event()
         # Tokens streamed as the decode makes them, and a wake-up for whoever reads them.
         self.streamed: list[int] = []

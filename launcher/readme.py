@@ -36,9 +36,8 @@ def settings_table(cls: type[BaseSettings]) -> str:
     for name, field in cls.model_fields.items():
         secret = "secret" in str(field.annotation).lower()
         default = "—" if secret and field.default is None else _default(field.default)
-        rows.append(
-            f"| `--{name.replace('_', '-')}` | `{prefix}{name.upper()}` | {default} | {field.description or ''} |"
-        )
+        flag, env = f"`--{name.replace('_', '-')}`", f"`{prefix}{name.upper()}`"
+        rows.append(f"| {flag} | {env} | {default} | {field.description or ''} |")
     return "\n".join(rows)
 
 
@@ -62,7 +61,7 @@ def render(text: str, generated: dict[str, str]) -> str:
         pattern = re.compile(rf"(<!-- {name}:start -->\n).*?(<!-- {name}:end -->)", re.S)
         if not pattern.search(text):
             raise ValueError(f"README has no {name} block")
-        text = pattern.sub(lambda m, body=body: m.group(1) + body + "\n" + m.group(2), text)
+        text = pattern.sub(lambda m: m.group(1) + body + "\n" + m.group(2), text)  # noqa: B023
     return text
 
 

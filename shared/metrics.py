@@ -1,11 +1,26 @@
-"""Prometheus metrics; each service owns one registry (no process-global state)."""
+"""Prometheus metrics; each service owns one registry (no process-global state) with its own families.
+
+Every service: ``kvroom_info``, room transitions, failures and rooms by state,
+messages received and rejected, and the process and Python GC collectors. A
+prefill node adds what its writes moved; a decode node its aux latency and
+slots; both their pages; the bootstrap its nodes and how long rooms take.
+"""
 
 from collections.abc import Callable
 
 from fastapi.telemetry import TelemetryConfig
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from shared.cli import VERSION
 from shared.states import RoomState
 
 __all__ = ["CONTENT_TYPE_LATEST", "NO_OPENTELEMETRY", "ServiceMetrics"]
@@ -14,13 +29,24 @@ __all__ = ["CONTENT_TYPE_LATEST", "NO_OPENTELEMETRY", "ServiceMetrics"]
 # look up the global providers on every request, which costs more than the request.
 NO_OPENTELEMETRY: TelemetryConfig = {"tracing": False, "metrics": False, "logs": False}
 
-_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5)
+# Up to the longest timeout a room can meet (the transfer timeout, 60 s by default; an
+# OpenAI request may wait 300 s).
+LATENCY_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60,
+    120, 300,
+)  # fmt: skip
 
 
 class ServiceMetrics:
-    def __init__(self, service: str):
+    def __init__(self, role: str, node_id: str = "", transport: str = ""):
+        self.role = role
         self.registry = CollectorRegistry()
         r = self.registry
+        ProcessCollector(registry=r)
+        GCCollector(registry=r)
+        Gauge(
+            "kvroom_info", "Service identity", ["version", "role", "node_id", "transport"], registry=r
+        ).labels(VERSION, role, node_id or role, transport or "-").set(1)
         self.transitions = Counter(
             "kvroom_room_transitions_total", "Room transitions by target state", ["state"], registry=r
         )
@@ -34,20 +60,34 @@ class ServiceMetrics:
             "kvroom_messages_received_total", "ZMQ messages read from this service's sockets", registry=r
         )
         self.rooms = Gauge("kvroom_rooms", "Rooms by current state", ["state"], registry=r)
-        self.transfer_bytes = Counter("kvroom_transfer_bytes_total", "KV bytes written to peers", registry=r)
-        self.transfer_seconds = Histogram(
-            "kvroom_transfer_seconds",
-            "Time to write one room's KV",
-            registry=r,
-            buckets=_LATENCY_BUCKETS,
-        )
-        self.aux_latency = Histogram(
-            "kvroom_aux_latency_seconds",
-            "From the prefill's KV-write completion to the room's SUCCESS on decode",
-            registry=r,
-            buckets=_LATENCY_BUCKETS,
-        )
-        Gauge("kvroom_info", "Service identity", ["service"], registry=r).labels(service).set(1)
+        if role == "prefill":
+            self.transfer_bytes = Counter(
+                "kvroom_transfer_bytes_total", "KV bytes written to peers", registry=r
+            )
+            self.transfer_seconds = Histogram(
+                "kvroom_transfer_seconds", "Time to write one room's KV", registry=r, buckets=LATENCY_BUCKETS
+            )
+        if role == "decode":
+            self.aux_latency = Histogram(
+                "kvroom_aux_latency_seconds",
+                "From the prefill's KV-write completion to the room's SUCCESS on decode",
+                registry=r,
+                buckets=LATENCY_BUCKETS,
+            )
+        if role == "bootstrap":
+            self.time_to_success = Histogram(
+                "kvroom_time_to_success_seconds",
+                "From a room's placement to its SUCCESS (KV and aux landed and validated)",
+                registry=r,
+                buckets=LATENCY_BUCKETS,
+            )
+            self.room_seconds = Histogram(
+                "kvroom_room_seconds",
+                "From a room's placement to its end, by how it ended",
+                ["state"],
+                registry=r,
+                buckets=LATENCY_BUCKETS,
+            )
 
     def gauge_function(self, name: str, doc: str, fn: Callable[[], float]) -> None:
         Gauge(name, doc, registry=self.registry).set_function(fn)

@@ -146,7 +146,7 @@ async def _leader(
         all_reduce, group = await asyncio.to_thread(_join_group, settings, 0, port)
     source = make_source(settings, 0, all_reduce)
     rank = Rank(settings, 0, source, security, engine)
-    metrics = ServiceMetrics(role)
+    metrics = ServiceMetrics(role, node_id, settings.transport)
     links = RankLinks(rank.zmq, link_dir, world) if world > 1 else None
     leader = NodeLeader(role, node_id, rank, world, links)
     leader.pids.update({r: child.pid for r, child in enumerate(children, start=1)})
@@ -327,7 +327,7 @@ async def _follower(
     security = security_for(settings.zmq_security, settings.curve_key_file)
     source = make_source(settings, index, all_reduce)
     rank = Rank(settings, index, source, security)
-    metrics = ServiceMetrics(role)
+    metrics = ServiceMetrics(role, f"{settings.resolved_node_id(role)}-rank{index}", settings.transport)
     to_leader = PushSockets(rank.zmq, Security(None))
 
     def send_leader(msg: protocol.Message) -> None:
