@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any, Protocol
 
-from shared.hf_model import tokenizer_digest
+from shared.model_files import model_dir, model_name, tokenizer_digest
 
 
 class TokenizerError(ValueError):
@@ -53,10 +53,11 @@ class ByteTokenizer:
 class HFTokenizer:
     """A Hugging Face checkpoint's fast tokenizer and chat template."""
 
-    def __init__(self, path: Path):
+    def __init__(self, model: str):
         from tokenizers import Tokenizer as Backend
 
-        self.name = path.name
+        path = model_dir(model)
+        self.name = model_name(model)
         self.digest = tokenizer_digest(path)
         self._backend = Backend.from_file(str(path / "tokenizer.json"))
         config_path = path / "tokenizer_config.json"
@@ -109,9 +110,7 @@ def _compile(template: str) -> Any:
 
 
 def load_tokenizer(model: str) -> Tokenizer:
+    """The tokenizer of ``model``: a directory, or a hub id already in the local Hugging Face cache."""
     if model in ("reference", "synthetic"):
         return ByteTokenizer(model)
-    path = Path(model)
-    if not (path / "tokenizer.json").exists():
-        raise TokenizerError(f"{model} is not a model directory with a tokenizer.json")
-    return HFTokenizer(path)
+    return HFTokenizer(model)

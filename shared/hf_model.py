@@ -15,118 +15,38 @@ o_proj and down_proj keep the matching input columns, their biases on rank 0
 only, and forward hooks sum their outputs over the ranks with ``all_reduce``.
 Embeddings, norms and lm_head stay whole, so every rank picks the same token.
 
-The digests import neither torch nor transformers (the bootstrap calls them);
-``HFSource`` is built on first access, which brings both in.
+The digests of the model's files live in ``shared.model_files``, which the
+bootstrap reads without torch.
 """
 
-import hashlib
 import logging
 from collections.abc import Callable
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    import torch
+import torch
+import torch.nn.functional as F
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-    from shared.kv_source import KVSource
-    from shared.settings import NodeSettings
-
-    # Built on first access (see ``__getattr__``); a subclass of KVSource.
-    HFSource: Callable[[NodeSettings, int, Callable[[torch.Tensor], None] | None], KVSource]
+from shared.head_split import kv_heads, query_heads, split_problem
+from shared.kv_layout import KVLayout, torch_dtype
+from shared.kv_pool import KVPool
+from shared.kv_source import Decoded, KVSource, OnToken, stop_at
+from shared.model_files import (
+    SUPPORTED_ARCHITECTURES,
+    greedy_differences,
+    model_dir,
+    model_name,
+    tokenizer_digest,
+    weights_digest,
+)
+from shared.registration import ModelIdentity
+from shared.settings import NodeSettings
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
-_MIB = 1 << 20
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-# Generation-config fields whose processors (or search) make greedy generate() differ from plain
-# argmax, with their neutral values.
-_GREEDY_NEUTRAL: dict[str, tuple[object, ...]] = {
-    "repetition_penalty": (1.0,),
-    "guidance_scale": (1.0,),
-    "no_repeat_ngram_size": (0,),
-    "min_length": (0,),
-    "min_new_tokens": (0,),
-    "num_beams": (1,),
-    "bad_words_ids": (),
-    "sequence_bias": (),
-    "forced_bos_token_id": (),
-    "forced_eos_token_id": (),
-    "suppress_tokens": (),
-    "begin_suppress_tokens": (),
-    "exponential_decay_length_penalty": (),
-    "stop_strings": (),
-    "watermarking_config": (),
-    "prefill_chunk_size": (),
-}
 
-
-def model_dir(model: str | Path) -> Path:
-    """The local directory of ``model``: a directory itself, or a hub id already in the HF cache."""
-    path = Path(model)
-    if path.is_dir():
-        return path
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
-
-    try:
-        return Path(snapshot_download(str(model), local_files_only=True))
-    except (LocalEntryNotFoundError, ValueError) as exc:
-        raise ValueError(f"model {model!r} is not a directory nor in the local Hugging Face cache") from exc
-
-
-def _file_ends(digest: Any, path: Path, start: int) -> None:
-    """Feed the first and last MiB after ``start`` of ``path`` into ``digest``."""
-    size = path.stat().st_size
-    with path.open("rb") as f:
-        f.seek(start)
-        digest.update(f.read(_MIB))
-        f.seek(max(start, size - _MIB))
-        digest.update(f.read(_MIB))
-
-
-def weights_digest(model: str | Path) -> str:
-    """16 hex chars over config.json and each safetensors file's name, size, header and end MiBs.
-
-    Different seeds of one shape differ; a 10 GB checkpoint is hashed in milliseconds."""
-    path = model_dir(model)
-    digest = hashlib.sha256((path / "config.json").read_bytes())
-    for file in sorted(path.glob("*.safetensors")):
-        digest.update(f"\0{file.name}\0{file.stat().st_size}\0".encode())
-        with file.open("rb") as f:
-            header_len = int.from_bytes(f.read(8), "little")
-            digest.update(f.read(header_len))
-        _file_ends(digest, file, 8 + header_len)
-    return digest.hexdigest()[:16]
-
-
-def tokenizer_digest(model: str | Path) -> str:
-    """16 hex chars over tokenizer.json, and tokenizer_config.json where there is one."""
-    path = model_dir(model)
-    if not (path / _TOKENIZER_FILES[0]).is_file():
-        raise ValueError(f"{path} has no {_TOKENIZER_FILES[0]}")
-    digest = hashlib.sha256()
-    for name in _TOKENIZER_FILES:
-        if (path / name).is_file():
-            digest.update(f"\0{name}\0".encode())
-            digest.update((path / name).read_bytes())
-    return digest.hexdigest()[:16]
-
-
-def greedy_differences(generation_config: Any) -> list[str]:
-    """The generation-config settings under which ``generate(do_sample=False)`` is not plain argmax."""
-    out = []
-    for name, neutral in _GREEDY_NEUTRAL.items():
-        value = getattr(generation_config, name, None)
-        if value is not None and value not in neutral and value != []:
-            out.append(f"{name}={value!r}")
-    return out
-
-
-def _keep(linear: "torch.nn.Linear", rows: slice, cols: slice, bias: bool = True) -> None:
+def _keep(linear: torch.nn.Linear, rows: slice, cols: slice, bias: bool = True) -> None:
     """Cut ``linear`` to ``weight[rows, cols]``; its bias follows the rows, or goes if not ``bias``."""
-    import torch
-
     linear.weight = torch.nn.Parameter(linear.weight.data[rows, cols].contiguous(), requires_grad=False)
     if linear.bias is not None:
         kept = torch.nn.Parameter(linear.bias.data[rows].contiguous(), requires_grad=False)
@@ -134,10 +54,8 @@ def _keep(linear: "torch.nn.Linear", rows: slice, cols: slice, bias: bool = True
     linear.out_features, linear.in_features = linear.weight.shape
 
 
-def _shard(model: Any, rank: int, tp: int, all_reduce: "Callable[[torch.Tensor], None]") -> None:
+def _shard(model: Any, rank: int, tp: int, all_reduce: Callable[[torch.Tensor], None]) -> None:
     """Keep ``rank``'s share of every decoder layer; o_proj and down_proj sum over the ranks."""
-    from shared.head_split import kv_heads, query_heads
-
     c = model.config
     d = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     q, kv = query_heads(rank, tp, c.num_attention_heads), kv_heads(rank, tp, c.num_key_value_heads)
@@ -145,7 +63,7 @@ def _shard(model: Any, rank: int, tp: int, all_reduce: "Callable[[torch.Tensor],
     per = c.intermediate_size // tp
     ffn, whole = slice(rank * per, (rank + 1) * per), slice(None)
 
-    def summed(module: object, inputs: object, output: "torch.Tensor") -> None:
+    def summed(module: object, inputs: object, output: torch.Tensor) -> None:
         all_reduce(output)
 
     for layer in model.model.layers:
@@ -162,155 +80,132 @@ def _shard(model: Any, rank: int, tp: int, all_reduce: "Callable[[torch.Tensor],
         mlp.down_proj.register_forward_hook(summed)
 
 
-def __getattr__(name: str) -> Any:
-    if name == "HFSource":
-        cls = _define_source()
-        globals()[name] = cls
-        return cls
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+class HFSource(KVSource):
+    inline = False
 
+    def __init__(self, settings: NodeSettings, rank: int, all_reduce: Callable[[torch.Tensor], None] | None):
+        path, tp = model_dir(settings.model), settings.tp_size
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        arch = (config.architectures or ["(none given)"])[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            supported = ", ".join(SUPPORTED_ARCHITECTURES)
+            raise ValueError(f"architecture {arch} is not supported (supported: {supported})")
+        if any(t != "full_attention" for t in getattr(config, "layer_types", None) or ()):
+            raise ValueError(f"{arch} with sliding-window layers is not supported")
+        heads, groups = config.num_attention_heads, config.num_key_value_heads
+        problem = split_problem(heads, groups, tp)
+        if problem is None and config.intermediate_size % tp:
+            problem = f"MLP of {config.intermediate_size} does not split over {tp} ranks"
+        if problem:
+            raise ValueError(problem)
+        self.dtype = settings.resolved_dtype
+        self.device = torch.device(settings.rank_device(rank))
+        model: Any = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch_dtype(self.dtype), local_files_only=True
+        )
+        if tp > 1:
+            if all_reduce is None:
+                raise ValueError("tensor parallelism needs an all_reduce")
+            _shard(model, rank, tp, all_reduce)
+        self.model = model.to(self.device).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        generation = model.generation_config
+        eos = generation.eos_token_id if generation.eos_token_id is not None else config.eos_token_id
+        self.eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        if differences := greedy_differences(generation):
+            log.warning("%s: generate() is not plain greedy here (%s)", path, ", ".join(differences))
+        self.kv_heads = kv_heads(rank, tp, groups)
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        self.num_layers = config.num_hidden_layers
+        self.identity = ModelIdentity(
+            name=model_name(settings.model),
+            architecture=arch,
+            weights=weights_digest(path),
+            tokenizer=tokenizer_digest(path),
+            dtype=self.dtype,
+            num_layers=self.num_layers,
+            num_heads=heads,
+            num_kv_heads=groups,
+            head_dim=self.head_dim,
+            vocab_size=config.vocab_size,
+            page_size=settings.page_size,
+        )
 
-def _define_source() -> type:
-    """The ``HFSource`` class: defined here because its base (``KVSource``) imports torch."""
-    import torch
-    import torch.nn.functional as F
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
+    def kv_layout(self, page_size: int) -> KVLayout:
+        return KVLayout(self.num_layers, self.kv_heads.count, self.head_dim, page_size, self.dtype)
 
-    from shared.head_split import kv_heads, split_problem
-    from shared.kv_layout import DTYPES, KVLayout
-    from shared.kv_pool import KVPool
-    from shared.kv_source import Decoded, KVSource, OnToken, stop_at
-    from shared.registration import ModelIdentity
-    from shared.settings import NodeSettings
+    def _text(self, ids: list[int]) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True))  # the text a client sees
 
-    class HFSource(KVSource):
-        inline = False
+    def _pages_of(self, pool: KVPool, pages: list[int], tokens: int) -> torch.Tensor:
+        if pool.layout != self.kv_layout(pool.layout.page_size):
+            raise ValueError(f"pool layout {pool.layout} is not this model's")
+        n = pool.layout.pages_for(tokens)
+        if len(pages) < n:
+            raise ValueError(f"{tokens} tokens need {n} pages, got {len(pages)}")
+        return torch.tensor(pages[:n], device=pool.data.device)
 
-        def __init__(
-            self, settings: NodeSettings, rank: int, all_reduce: "Callable[[torch.Tensor], None] | None"
-        ):
-            path, tp = model_dir(settings.model), settings.tp_size
-            config = AutoConfig.from_pretrained(path, local_files_only=True)
-            arch = (config.architectures or ["(none given)"])[0]
-            if arch not in SUPPORTED_ARCHITECTURES:
-                supported = ", ".join(SUPPORTED_ARCHITECTURES)
-                raise ValueError(f"architecture {arch} is not supported (supported: {supported})")
-            if any(t != "full_attention" for t in getattr(config, "layer_types", None) or ()):
-                raise ValueError(f"{arch} with sliding-window layers is not supported")
-            heads, groups = config.num_attention_heads, config.num_key_value_heads
-            problem = split_problem(heads, groups, tp)
-            if problem is None and config.intermediate_size % tp:
-                problem = f"MLP of {config.intermediate_size} does not split over {tp} ranks"
-            if problem:
-                raise ValueError(problem)
-            self.dtype = settings.resolved_dtype
-            self.device = torch.device(settings.rank_device(rank))
-            model: Any = AutoModelForCausalLM.from_pretrained(
-                path, dtype=DTYPES[self.dtype], local_files_only=True
-            )
-            if tp > 1:
-                if all_reduce is None:
-                    raise ValueError("tensor parallelism needs an all_reduce")
-                _shard(model, rank, tp, all_reduce)
-            self.model = model.to(self.device).eval()
-            self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-            generation = model.generation_config
-            eos = generation.eos_token_id if generation.eos_token_id is not None else config.eos_token_id
-            self.eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-            if differences := greedy_differences(generation):
-                log.warning("%s: generate() is not plain greedy here (%s)", path, ", ".join(differences))
-            self.kv_heads = kv_heads(rank, tp, groups)
-            self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-            self.num_layers = config.num_hidden_layers
-            self.identity = ModelIdentity(
-                name=Path(settings.model).resolve().name if Path(settings.model).is_dir() else settings.model,
-                architecture=arch,
-                weights=weights_digest(path),
-                tokenizer=tokenizer_digest(path),
-                dtype=self.dtype,
-                num_layers=self.num_layers,
-                num_heads=heads,
-                num_kv_heads=groups,
-                head_dim=self.head_dim,
-                vocab_size=config.vocab_size,
-                page_size=settings.page_size,
-            )
+    def _last_logits(self, ids: list[int], start: int, cache: DynamicCache) -> torch.Tensor:
+        """Feed ``ids`` at positions ``start``..., as ``generate()`` does; the last position's
+        logits in float32."""
+        out = self.model(
+            input_ids=torch.tensor([ids], device=self.device),
+            attention_mask=torch.ones(1, start + len(ids), dtype=torch.long, device=self.device),
+            position_ids=torch.arange(start, start + len(ids), device=self.device).unsqueeze(0),
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[0, -1].to(torch.float32)
 
-        def kv_layout(self, page_size: int) -> KVLayout:
-            return KVLayout(self.num_layers, self.kv_heads.count, self.head_dim, page_size, self.dtype)
-
-        def _text(self, ids: list[int]) -> str:
-            return str(self.tokenizer.decode(ids))
-
-        def _pages_of(self, pool: KVPool, pages: list[int], tokens: int) -> torch.Tensor:
-            if pool.layout != self.kv_layout(pool.layout.page_size):
-                raise ValueError(f"pool layout {pool.layout} is not this model's")
-            n = pool.layout.pages_for(tokens)
-            if len(pages) < n:
-                raise ValueError(f"{tokens} tokens need {n} pages, got {len(pages)}")
-            return torch.tensor(pages[:n], device=pool.data.device)
-
-        def _last_logits(self, ids: list[int], start: int, cache: DynamicCache) -> torch.Tensor:
-            """Feed ``ids`` at positions ``start``..., as ``generate()`` does; the last position's
-            logits in float32."""
-            out = self.model(
-                input_ids=torch.tensor([ids], device=self.device),
-                attention_mask=torch.ones(1, start + len(ids), dtype=torch.long, device=self.device),
-                position_ids=torch.arange(start, start + len(ids), device=self.device).unsqueeze(0),
-                cache=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
-            return out.logits[0, -1].to(torch.float32)
-
-        @torch.inference_mode()
-        def prefill(
-            self, room: int, pool: KVPool, pages: list[int] | None, input_ids: list[int]
-        ) -> tuple[int, float]:
-            n = len(input_ids)
-            index = None if pages is None else self._pages_of(pool, pages, n)
-            cache = DynamicCache(config=self.model.config)
-            logits = self._last_logits(input_ids, 0, cache)
-            if index is not None:
-                ps, count = pool.layout.page_size, len(index)
-                for li in range(self.num_layers):
-                    layer: Any = cache.layers[li]
-                    for kv, states in enumerate((layer.keys, layer.values)):
-                        t = F.pad(states[0].to(pool.data.device), (0, 0, 0, count * ps - n))
-                        # [heads, tokens, dim] -> [pages, heads, page_size, dim]
-                        pool.data[index, :, li, kv] = t.view(t.shape[0], count, ps, -1).transpose(0, 1)
-            token = int(torch.argmax(logits))
-            return token, float(torch.log_softmax(logits, dim=-1)[token])
-
-        @torch.inference_mode()
-        def decode(
-            self,
-            room: int,
-            pool: KVPool,
-            pages: list[int],
-            prompt_len: int,
-            first_token: int,
-            max_new_tokens: int,
-            stop: list[str],
-            on_token: OnToken | None = None,
-        ) -> Decoded:
-            index = self._pages_of(pool, pages, prompt_len)
-            layers = []
+    @torch.inference_mode()
+    def prefill(
+        self, room: int, pool: KVPool, pages: list[int] | None, input_ids: list[int]
+    ) -> tuple[int, float]:
+        n = len(input_ids)
+        if n == 0:
+            raise ValueError("an empty prompt has no KV")
+        index = None if pages is None else self._pages_of(pool, pages, n)
+        cache = DynamicCache(config=self.model.config)
+        logits = self._last_logits(input_ids, 0, cache)
+        if index is not None:
+            ps, count = pool.layout.page_size, len(index)
             for li in range(self.num_layers):
-                k, v = (
-                    pool.data[index, :, li, kv].transpose(0, 1).flatten(1, 2)[:, :prompt_len] for kv in (0, 1)
-                )
-                layers.append((k.unsqueeze(0).to(self.device), v.unsqueeze(0).to(self.device)))
-            cache = DynamicCache(ddp_cache_data=layers, config=self.model.config)
-            out = [first_token]
-            while True:
-                if on_token is not None:
-                    on_token(out[-1])
-                if out[-1] in self.eos or stop_at(self._text, out, stop):
-                    return Decoded(out, "stop")
-                if len(out) >= max_new_tokens:
-                    return Decoded(out, "length")
-                logits = self._last_logits(out[-1:], prompt_len + len(out) - 1, cache)
-                out.append(int(torch.argmax(logits)))
+                layer: Any = cache.layers[li]
+                for kv, states in enumerate((layer.keys, layer.values)):
+                    t = F.pad(states[0].to(pool.data.device), (0, 0, 0, count * ps - n))
+                    # [heads, tokens, dim] -> [pages, heads, page_size, dim]
+                    pool.data[index, :, li, kv] = t.view(t.shape[0], count, ps, -1).transpose(0, 1)
+        token = int(torch.argmax(logits))
+        return token, float(torch.log_softmax(logits, dim=-1)[token])
 
-    return HFSource
+    @torch.inference_mode()
+    def decode(
+        self,
+        room: int,
+        pool: KVPool,
+        pages: list[int],
+        prompt_len: int,
+        first_token: int,
+        max_new_tokens: int,
+        stop: list[str],
+        on_token: OnToken | None = None,
+    ) -> Decoded:
+        index = self._pages_of(pool, pages, prompt_len)
+        layers = []
+        for li in range(self.num_layers):
+            k, v = (
+                pool.data[index, :, li, kv].transpose(0, 1).flatten(1, 2)[:, :prompt_len] for kv in (0, 1)
+            )
+            layers.append((k.unsqueeze(0).to(self.device), v.unsqueeze(0).to(self.device)))
+        cache = DynamicCache(ddp_cache_data=layers, config=self.model.config)
+        out = [first_token]
+        while True:
+            if on_token is not None:
+                on_token(out[-1])
+            if out[-1] in self.eos or stop_at(self._text, out, stop):
+                return Decoded(out, "stop")
+            if len(out) >= max_new_tokens:
+                return Decoded(out, "length")
+            logits = self._last_logits(out[-1:], prompt_len + len(out) - 1, cache)
+            out.append(int(torch.argmax(logits)))

@@ -11,16 +11,25 @@ into another are still one contiguous range of every page: one write per page.
 A layer-major pool would cost one write per layer per run instead.
 """
 
-import msgspec
-import torch
+from typing import TYPE_CHECKING
 
-DTYPES: dict[str, torch.dtype] = {
-    "float64": torch.float64,
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
-DTYPE_NAMES = tuple(DTYPES)
+import msgspec
+
+if TYPE_CHECKING:
+    import torch
+
+# Element sizes by dtype name: the layout is plain data, so the bootstrap can check it without torch.
+ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
+DTYPE_NAMES = tuple(ITEMSIZE)
+
+
+def torch_dtype(name: str) -> "torch.dtype":
+    import torch
+
+    dtype: torch.dtype = getattr(torch, name)
+    return dtype
+
+
 # Longer writes are cut: over TCP, pieces of this size moved faster than whole runs of
 # 8 MiB and more, as the engine works on several pieces at once.
 MAX_WRITE_BYTES = 4 << 20
@@ -38,8 +47,8 @@ class KVLayout(msgspec.Struct, frozen=True):
     dtype: str = "float32"
 
     @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+    def torch_dtype(self) -> "torch.dtype":
+        return torch_dtype(self.dtype)
 
     @property
     def page_shape(self) -> tuple[int, ...]:
@@ -48,7 +57,7 @@ class KVLayout(msgspec.Struct, frozen=True):
     @property
     def head_bytes(self) -> int:
         """One head's K and V for every layer of a page: the unit a head range is made of."""
-        return self.num_layers * 2 * self.page_size * self.head_dim * self.torch_dtype.itemsize
+        return self.num_layers * 2 * self.page_size * self.head_dim * ITEMSIZE[self.dtype]
 
     @property
     def page_bytes(self) -> int:

@@ -36,7 +36,9 @@ def reference(path, ids_list, new_tokens, dtype=torch.float32):
     with torch.inference_mode():
         for ids in ids_list:
             x = torch.tensor([ids])
-            full = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens, do_sample=False)
+            full = model.generate(
+                x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens, do_sample=False
+            )
             out.append(full[0, len(ids) :].tolist())
     return out
 
@@ -54,7 +56,10 @@ def run(url, ids_list, new_tokens):
     async def go():
         async with httpx.AsyncClient(base_url=url, timeout=60) as client:
             made = await asyncio.gather(
-                *(client.post("/rooms", json={"input_ids": ids, "max_new_tokens": new_tokens}) for ids in ids_list)
+                *(
+                    client.post("/rooms", json={"input_ids": ids, "max_new_tokens": new_tokens})
+                    for ids in ids_list
+                )
             )
             return [
                 (await client.get(f"/rooms/{r.json()['room']}", params={"wait": 50})).json() for r in made
@@ -93,7 +98,9 @@ def test_tensor_parallel_llama_equals_generate(stack, checkpoints, np_, nd):
     for final, want in zip(finals, expected, strict=True):
         assert final["state"] == "SUCCESS", final
         assert final["output_ids"] == want
-    heads = [(r["kv_head_start"], r["kv_head_count"]) for r in (prefill if np_ > 1 else decode).health()["ranks"]]
+    heads = [
+        (r["kv_head_start"], r["kv_head_count"]) for r in (prefill if np_ > 1 else decode).health()["ranks"]
+    ]
     assert heads == [(0, 1), (1, 1)]  # the two KV heads split over the two ranks
     wait_for(lambda: all_ranks_full(prefill) and all_ranks_full(decode), 15, "pools full")
 
@@ -114,16 +121,23 @@ def test_the_openai_client_talks_to_it(stack, checkpoints):
     assert chunks[-1].choices[0].finish_reason == done.choices[0].finish_reason
 
     stop_word = done.choices[0].text[3:6]
-    stopped = client.completions.create(model=name, prompt="The cat sat on the", max_tokens=12, stop=[stop_word])
+    stopped = client.completions.create(
+        model=name, prompt="The cat sat on the", max_tokens=12, stop=[stop_word]
+    )
     assert stopped.choices[0].finish_reason == "stop"
     assert stopped.choices[0].text == done.choices[0].text.split(stop_word)[0]
 
-    chat = client.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi there"}], max_tokens=8)
+    chat = client.chat.completions.create(
+        model=name, messages=[{"role": "user", "content": "hi there"}], max_tokens=8
+    )
     assert chat.choices[0].message.role == "assistant" and chat.choices[0].message.content
     parts = client.chat.completions.create(
         model=name, messages=[{"role": "user", "content": "hi there"}], max_tokens=8, stream=True
     )
-    assert "".join(c.choices[0].delta.content or "" for c in parts if c.choices) == chat.choices[0].message.content
+    assert (
+        "".join(c.choices[0].delta.content or "" for c in parts if c.choices)
+        == chat.choices[0].message.content
+    )
 
     with pytest.raises(openai.BadRequestError) as bad:
         client.completions.create(model=name, prompt="x", max_tokens=0)
