@@ -1,10 +1,13 @@
 """The demo workload: start the three services on 127.0.0.1 over TCP, run rooms, check every output.
 
     python -m bootstrap.demo [--rooms 16] [--max-new-tokens 24] [--prefill-tp N] [--decode-tp N]
-                             [--log-dir DIR]
+                             [--model reference|tiny-llama|tiny-qwen2|DIR] [--log-dir DIR]
 
-Exits 0 only if every room reached SUCCESS with exactly the tokens of a
-single-process, single-rank run of the same model on the same prompt.
+``tiny-llama`` and ``tiny-qwen2`` are small random-initialised Hugging Face
+checkpoints made on the fly (``python -m shared.tiny_model``). Exits 0 only if
+every room reached SUCCESS with exactly the tokens of a single-process,
+single-rank run of the same model on the same prompt: the reference model's
+``generate``, or transformers' ``generate(do_sample=False)``.
 """
 
 import argparse
@@ -70,6 +73,36 @@ async def run_rooms(base_url: str, texts: list[str], max_new_tokens: int) -> lis
         return await asyncio.gather(*(wait(room) for room in rooms))
 
 
+def colocated(model: str, texts: list[str], max_new_tokens: int) -> list[list[int]]:
+    """What one process computes for each prompt: the tokens every room must equal."""
+    if model == "reference":
+        reference = ReferenceModel()
+        return [generate(reference, encode_text(t), max_new_tokens) for t in texts]
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    out = []
+    with torch.inference_mode():
+        for text in texts:
+            ids = torch.tensor([tokenizer(text)["input_ids"]])
+            full = hf.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False
+            )
+            out.append(full[0, ids.shape[1] :].tolist())
+    return out
+
+
+def model_path(model: str, log_dir: Path) -> str:
+    """A model directory for ``tiny-llama`` and ``tiny-qwen2``, made now; else ``model`` as given."""
+    if model.startswith("tiny-"):
+        from shared.tiny_model import write_tiny_model
+
+        return str(write_tiny_model(model.removeprefix("tiny-"), log_dir / model))
+    return model
+
+
 def ms(timings: dict[str, float], key: str) -> str:
     return f"{timings[key] * 1000:8.1f}" if key in timings else "       -"
 
@@ -80,31 +113,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--prefill-tp", type=int, default=1, help="tensor-parallel ranks of the prefill node")
     parser.add_argument("--decode-tp", type=int, default=1, help="tensor-parallel ranks of the decode node")
+    parser.add_argument(
+        "--model",
+        default="reference",
+        help="reference, tiny-llama, tiny-qwen2, or a Hugging Face model directory",
+    )
     parser.add_argument("--log-dir", type=Path, default=None)
     args = parser.parse_args(argv)
     configure_determinism()
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="kvroom-demo-"))
     texts = prompts(args.rooms)
+    model = model_path(args.model, log_dir)
     print(
-        f"starting bootstrap, prefill (tp={args.prefill_tp}) and decode (tp={args.decode_tp}) on 127.0.0.1, "
-        f"CURVE on, KV verified (logs in {log_dir})",
+        f"starting bootstrap, prefill (tp={args.prefill_tp}) and decode (tp={args.decode_tp}) on 127.0.0.1 "
+        f"with model {args.model}, CURVE on, KV verified (logs in {log_dir})",
         flush=True,
     )
-    with LocalStack(log_dir) as stack:
-        stack.start(["--tp-size", str(args.prefill_tp)], ["--tp-size", str(args.decode_tp)])
+    with LocalStack(log_dir, bootstrap_args=["--model", model]) as stack:
+        node = ["--model", model]
+        stack.start([*node, "--tp-size", str(args.prefill_tp)], [*node, "--tp-size", str(args.decode_tp)])
         print(f"running {len(texts)} rooms through POST /rooms", flush=True)
         started = time.perf_counter()
         results = asyncio.run(run_rooms(stack.bootstrap.url, texts, args.max_new_tokens))
         elapsed = time.perf_counter() - started
     print(f"all rooms finished in {elapsed:.2f}s; checking against the colocated single-rank run", flush=True)
-    model = ReferenceModel()
+    expected_all = colocated(model, texts, args.max_new_tokens)
     print(
         f"\n{'room':>17} {'prompt':>6} {'new':>4} {'state':>8} {'prefill ms':>10} "
         f"{'xfer ms':>8} {'decode ms':>9}  match"
     )
     ok = 0
-    for text, body in zip(texts, results, strict=True):
-        expected = generate(model, encode_text(text), args.max_new_tokens)
+    for body, expected in zip(results, expected_all, strict=True):
         match = body["state"] == "SUCCESS" and body["output_ids"] == expected
         ok += match
         t = body["timings"]

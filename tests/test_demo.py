@@ -1,0 +1,31 @@
+"""The demo that `bash run.sh` runs, with a Hugging Face model made on the fly: every output checked."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_demo_runs_a_tiny_model_and_checks_every_room(tmp_path):
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bootstrap.demo",
+            "--model",
+            "tiny-qwen2",
+            "--rooms",
+            "4",
+            "--max-new-tokens",
+            "8",
+            "--log-dir",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "4/4 rooms SUCCESS with output equal to the colocated run" in out.stdout
