@@ -23,6 +23,12 @@ class BootstrapSettings(ServiceSettings):
         description="the model the cluster serves, for its tokenizer: reference, synthetic, "
         "or the Hugging Face model directory (or cached hub id) the nodes load",
     )
+    store: str = Field(
+        "memory",
+        pattern=r"^(memory|redis://.+)$",
+        description="where nodes and rooms live: memory (this process) or redis://HOST:PORT/DB "
+        "(shared by bootstraps, survives restarts)",
+    )
     node_ttl_s: float = Field(5.0, gt=0, description="a node silent this long is marked dead")
     max_prompt_tokens: int = Field(4096, ge=1, description="longest prompt a room may carry, in tokens")
     max_new_tokens: int = Field(1024, ge=1, description="most tokens a room may ask to generate")
@@ -32,6 +38,21 @@ class BootstrapSettings(ServiceSettings):
         300.0, gt=0, description="longest an OpenAI-style request waits for its room to finish"
     )
     room_history: int = Field(10_000, ge=1, description="finished rooms kept for GET /rooms")
+    room_ttl_s: float = Field(3600.0, gt=0, description="how long a finished room is kept (Redis store)")
+    room_deadline_s: float = Field(
+        600.0,
+        gt=0,
+        description="a room not ended after this long ends FAILED deadline, whatever it waits for",
+    )
+    max_attempts: int = Field(
+        2,
+        ge=1,
+        le=10,
+        description="placements a room may get when it fails before any KV landed on its decode",
+    )
+    queue_limit: int = Field(
+        256, ge=0, description="rooms that fit on no node now and wait for one; beyond, 503 with Retry-After"
+    )
 
     def resolved_api_key(self) -> str | None:
         key = self.api_key.get_secret_value() if self.api_key else None
