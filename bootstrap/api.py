@@ -5,17 +5,17 @@ Node routes need the join secret, client routes the API key when one is set
 open.
 """
 
-import asyncio
-import contextlib
 from typing import Annotated, Any, Literal
 
 import msgspec
 from fastapi import APIRouter, Depends, Header, HTTPException, Query, Request, Response
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from bootstrap.cluster import Cluster, NoLiveNode
+from bootstrap import rooms
+from bootstrap.cluster import Cluster, NoCapacity, NoLiveNode
 from bootstrap.registry import Incompatible, Node
-from bootstrap.rooms import RoomRecord
+from bootstrap.store import RoomData, StoreUnavailable
 from shared.metrics import CONTENT_TYPE_LATEST
 from shared.registration import Heartbeat, NodeRegistration
 from shared.security import bearer, secrets_match
@@ -69,12 +69,12 @@ class RoomRequest(BaseModel):
 
 nodes = APIRouter(tags=["nodes"], dependencies=[Depends(join_token_checked)])
 nodes_open = APIRouter(tags=["nodes"])
-rooms = APIRouter(tags=["rooms"], dependencies=[Depends(api_key_checked)])
+rooms_router = APIRouter(tags=["rooms"], dependencies=[Depends(api_key_checked)])
 ops = APIRouter(tags=["operations"])
 
 
-def _node(cluster: Cluster, node_id: str) -> Node:
-    node = cluster.registry.nodes.get(node_id)
+async def _node(cluster: Cluster, node_id: str) -> Node:
+    node = await cluster.node(node_id)
     if node is None:
         raise HTTPException(404, f"node {node_id} is not registered")
     return node
@@ -83,46 +83,53 @@ def _node(cluster: Cluster, node_id: str) -> Node:
 @nodes.post("/nodes", status_code=201)
 async def register_node(reg: NodeRegistration, cluster: ClusterDep) -> dict[str, Any]:
     try:
-        node = cluster.register(reg)
+        node = await cluster.register(reg)
     except Incompatible as exc:
         raise HTTPException(409, str(exc)) from exc
-    return cluster.registered(node).model_dump()
+    return (await cluster.registered(node)).model_dump()
 
 
 @nodes.put("/nodes/{node_id}/heartbeat")
 async def heartbeat(node_id: str, beat: Heartbeat, cluster: ClusterDep) -> dict[str, Any]:
-    node = cluster.registry.heartbeat(node_id, beat)
+    node = await cluster.heartbeat(node_id, beat)
     if node is None:
         raise HTTPException(404, f"node {node_id} is not registered")
-    cluster.heartbeat_changed(node)
-    return cluster.registered(node).model_dump()
+    return (await cluster.registered(node, beat)).model_dump()
 
 
 @nodes.post("/nodes/{node_id}/drain")
 async def drain_node(node_id: str, cluster: ClusterDep) -> dict[str, Any]:
-    node = _node(cluster, node_id)
-    cluster.drain(node)
+    await _node(cluster, node_id)
+    node = await cluster.drain(node_id)
+    assert node is not None
     return node.view()
 
 
 @nodes.delete("/nodes/{node_id}")
 async def remove_node(node_id: str, cluster: ClusterDep) -> dict[str, Any]:
-    node = _node(cluster, node_id)
-    cluster.forget(node)
+    node = await _node(cluster, node_id)
+    await cluster.forget(node_id)
     return node.view()
 
 
 @nodes_open.get("/nodes")
 async def list_nodes(cluster: ClusterDep) -> list[dict[str, Any]]:
-    return [node.view() for node in cluster.registry.nodes.values()]
+    return [node.view() for node in await cluster.nodes()]
 
 
 WaitQuery = Annotated[float, Query(ge=0, description="seconds to wait for the room to finish")]
 
 
-def room_response(record: RoomRecord, status: int = 200) -> Response:
+async def room_view(cluster: Cluster, room: RoomData) -> dict[str, Any]:
+    streamed = await cluster.store.tokens(room.room) if room.partial else None
+    return rooms.view(room, cluster.tokenizer.decode, cluster.sessions, streamed)
+
+
+async def room_response(cluster: Cluster, room: RoomData, status: int = 200) -> Response:
     # Encoded directly: the view is plain data, and this is the hot path of every client.
-    return Response(msgspec.json.encode(record.view()), status, media_type="application/json")
+    return Response(
+        msgspec.json.encode(await room_view(cluster, room)), status, media_type="application/json"
+    )
 
 
 def check_wait(cluster: Cluster, wait: float) -> None:
@@ -130,10 +137,10 @@ def check_wait(cluster: Cluster, wait: float) -> None:
         raise HTTPException(422, f"wait above {cluster.settings.max_wait_s}s")
 
 
-async def wait_finished(record: RoomRecord, wait: float) -> None:
-    if wait and not record.done.is_set():
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(record.done.wait(), wait)
+async def wait_finished(cluster: Cluster, room: RoomData, wait: float) -> RoomData:
+    if not wait or room.done:
+        return room
+    return await cluster.wait(room.room, wait, lambda r: r.done) or room
 
 
 def check_limits(cluster: Cluster, tokens: list[int], max_new_tokens: int) -> None:
@@ -144,50 +151,50 @@ def check_limits(cluster: Cluster, tokens: list[int], max_new_tokens: int) -> No
         raise HTTPException(422, f"max_new_tokens above the cap of {s.max_new_tokens}")
 
 
-def place(
+async def place(
     cluster: Cluster, tokens: list[int], max_new_tokens: int, stop: list[str], stream: bool
-) -> RoomRecord:
+) -> RoomData:
     check_limits(cluster, tokens, max_new_tokens)
     try:
-        return cluster.place(tokens, max_new_tokens, stop, stream)
+        return await cluster.place(tokens, max_new_tokens, stop, stream)
     except NoLiveNode as exc:
         raise HTTPException(503, str(exc)) from exc
+    except NoCapacity as exc:
+        raise HTTPException(503, str(exc), headers={"Retry-After": "1"}) from exc
 
 
-@rooms.post("/rooms", status_code=201, response_class=Response)
+@rooms_router.post("/rooms", status_code=201, response_class=Response)
 async def create_room(body: RoomRequest, cluster: ClusterDep, wait: WaitQuery = 0) -> Response:
     """Create a room; with ``?wait=`` answer once it finished or the wait ran out."""
     check_wait(cluster, wait)  # before the room is placed
-    record = place(cluster, body.tokens(cluster), body.max_new_tokens, [], False)
-    await wait_finished(record, wait)
-    return room_response(record, 201)
+    room = await place(cluster, body.tokens(cluster), body.max_new_tokens, [], False)
+    return await room_response(cluster, await wait_finished(cluster, room, wait), 201)
 
 
-def _record(cluster: Cluster, room: int) -> RoomRecord:
-    record = cluster.book.rooms.get(room)
-    if record is None:
-        raise HTTPException(404, f"room {room} is not known")
-    return record
+async def _room(cluster: Cluster, room_id: int) -> RoomData:
+    room = await cluster.store.room(room_id)
+    if room is None:
+        raise HTTPException(404, f"room {room_id} is not known")
+    return room
 
 
-@rooms.get("/rooms/{room}", response_class=Response)
+@rooms_router.get("/rooms/{room}", response_class=Response)
 async def get_room(room: int, cluster: ClusterDep, wait: WaitQuery = 0) -> Response:
     """The room; with ``?wait=`` answer once it finished or the wait ran out."""
     check_wait(cluster, wait)
-    record = _record(cluster, room)
-    await wait_finished(record, wait)
-    return room_response(record)
+    found = await _room(cluster, room)
+    return await room_response(cluster, await wait_finished(cluster, found, wait))
 
 
-@rooms.get("/rooms")
+@rooms_router.get("/rooms")
 async def list_rooms(
     cluster: ClusterDep,
     state: Annotated[StateName | None, Query(description="only rooms in this state")] = None,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 100,
 ) -> list[dict[str, Any]]:
     found = []
-    for record in reversed(cluster.book.rooms.values()):
-        view = record.view()
+    for room in await cluster.store.recent(cluster.settings.room_history if state else limit):
+        view = await room_view(cluster, room)
         if state is None or view["state"] == state:
             found.append(view)
             if len(found) == limit:
@@ -195,25 +202,36 @@ async def list_rooms(
     return found
 
 
-@rooms.delete("/rooms/{room}")
+@rooms_router.delete("/rooms/{room}")
 async def abort_room(room: int, cluster: ClusterDep) -> dict[str, Any]:
-    record = _record(cluster, room)
-    if not cluster.abort(record):
-        raise HTTPException(409, f"room {room} already ended {record.view()['state']}")
-    return record.view()
+    await _room(cluster, room)
+    if not await cluster.abort(room):
+        ended = await _room(cluster, room)
+        raise HTTPException(409, f"room {room} already ended {(await room_view(cluster, ended))['state']}")
+    return await room_view(cluster, await _room(cluster, room))
 
 
-@ops.get("/health")
-async def health(cluster: ClusterDep) -> dict[str, Any]:
-    return {
-        "status": "ok",
+@ops.get("/health", response_model=None)
+async def health(cluster: ClusterDep) -> JSONResponse:
+    try:
+        await cluster.store.ping()
+        problem = cluster.healthy
+    except StoreUnavailable as exc:
+        problem = str(exc)
+    body = {
+        "status": "ok" if problem is None else "unavailable",
+        "problem": problem,
         "role": "bootstrap",
+        "id": cluster.id,
+        "store": "redis" if cluster.settings.store.startswith("redis") else "memory",
         "zmq_security": "curve" if cluster.security.keys else "plain",
         "join_token_required": cluster.join_token is not None,
-        "live_prefill_nodes": cluster.registry.live_count("prefill"),
-        "live_decode_nodes": cluster.registry.live_count("decode"),
-        "rooms_in_flight": len(cluster.book.in_flight()),
+        "live_prefill_nodes": cluster.live_count("prefill"),
+        "live_decode_nodes": cluster.live_count("decode"),
+        "rooms_in_flight": cluster.in_flight_count,
+        "queued_rooms": cluster.queued,
     }
+    return JSONResponse(body, status_code=200 if problem is None else 503)
 
 
 @ops.get("/metrics")

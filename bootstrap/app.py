@@ -130,10 +130,11 @@ def create_app(settings: BootstrapSettings) -> FastAPI:
         cluster = Cluster(settings)
         app.state.cluster = cluster
         warn_if_open(settings, cluster.join_token)
+        await cluster.start()
         ready = asyncio.Event()
         tasks = [
             asyncio.create_task(cluster.receive_reports(ready)),
-            asyncio.create_task(cluster.watch_nodes()),
+            asyncio.create_task(cluster.watch()),
         ]
         await ready.wait()
         freeze_startup_heap()
@@ -143,7 +144,7 @@ def create_app(settings: BootstrapSettings) -> FastAPI:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            cluster.close()
+            await cluster.close()
 
     app = FastAPI(
         title="kvroom bootstrap",
@@ -158,7 +159,7 @@ def create_app(settings: BootstrapSettings) -> FastAPI:
     app.include_router(api.nodes)
     app.include_router(api.nodes_open)
     app.include_router(openai_api.router)
-    app.include_router(api.rooms)
+    app.include_router(api.rooms_router)
     app.include_router(api.ops)
     app.include_router(status_page.router)
     return app

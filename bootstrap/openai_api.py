@@ -8,18 +8,20 @@ decoded after its SUCCESS. Errors come in OpenAI's shape:
 """
 
 import asyncio
+import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any, Literal
 
 import msgspec
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, HTTPException, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from bootstrap.api import ClusterDep, api_key_checked, place
-from bootstrap.rooms import RoomRecord
+from bootstrap.store import RoomData
 from bootstrap.tokenizer import TokenizerError
+from shared.states import RoomState
 
 router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Depends(api_key_checked)])
 
@@ -101,61 +103,49 @@ def _cut(text: str, stops: list[str]) -> str:
     return text[:at]
 
 
-async def _finished(cluster: Any, record: RoomRecord) -> None:
-    try:
-        await asyncio.wait_for(record.done.wait(), cluster.settings.request_timeout_s)
-    except TimeoutError as exc:
-        raise OpenAIError(504, f"room {record.id} did not finish in time", "server_error") from exc
-    view = record.view()
-    if view["state"] == "FAILED":
-        raise OpenAIError(
-            502, f"room {record.id} failed: {record.reason}", "server_error", code=record.reason
-        )
+def _failed(room: RoomData) -> bool:
+    return room.state == RoomState.FAILED or room.outcome == "failed"
 
 
-def _usage(record: RoomRecord) -> dict[str, int]:
-    out = len(record.output_ids or record.streamed)
-    return {
-        "prompt_tokens": len(record.input_ids),
-        "completion_tokens": out,
-        "total_tokens": len(record.input_ids) + out,
-    }
+async def _finished(cluster: Any, room: RoomData) -> RoomData:
+    done = await cluster.wait(room.room, cluster.settings.request_timeout_s, lambda r: r.done)
+    if done is None or not done.done:
+        raise OpenAIError(504, f"room {room.room} did not finish in time", "server_error")
+    if _failed(done):
+        raise OpenAIError(502, f"room {room.room} failed: {done.reason}", "server_error", code=done.reason)
+    return done
 
 
-def _place(cluster: Any, ids: list[int], max_tokens: int, body: Sampling) -> RoomRecord:
+def _usage(room: RoomData, streamed: list[int]) -> dict[str, int]:
+    out = len(room.output_ids if room.output_ids is not None else streamed)
+    prompt = len(room.input_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": out, "total_tokens": prompt + out}
+
+
+async def _place(cluster: Any, ids: list[int], max_tokens: int, body: Sampling) -> RoomData:
     if any(t >= cluster.tokenizer.vocab_size for t in ids):
         raise OpenAIError(400, "a token id is outside the vocabulary", param="prompt")
     try:
-        return place(cluster, ids, max_tokens, body.stops(), body.stream)
-    except Exception as exc:
-        status = getattr(exc, "status_code", 500)
-        raise OpenAIError(
-            status,
-            str(getattr(exc, "detail", exc)),
-            "server_error" if status >= 500 else "invalid_request_error",
-        ) from exc
+        room: RoomData = await place(cluster, ids, max_tokens, body.stops(), body.stream)
+        return room
+    except HTTPException as exc:
+        kind = "server_error" if exc.status_code >= 500 else "invalid_request_error"
+        raise OpenAIError(exc.status_code, str(exc.detail), kind) from exc
 
 
 class _Streamer:
     """Decoded text as it grows, released only where no later token or stop string can change it."""
 
-    def __init__(self, cluster: Any, record: RoomRecord, stops: list[str]):
+    def __init__(self, cluster: Any, stops: list[str]):
         self._decode = cluster.tokenizer.decode
-        self._record = record
         self._stops = stops
         self._sent = 0
 
-    def delta(self, final: bool) -> str:
-        text = self._decode(
-            self._record.output_ids
-            if final and self._record.output_ids is not None
-            else self._record.streamed
-        )
+    def delta(self, tokens: list[int], final: bool) -> str:
+        text = self._decode(tokens)
         cut = _cut(text, self._stops)
-        if not final:
-            if cut != text:  # a stop string appeared: nothing after it ever goes out
-                final = True
-            held = max((len(s) - 1 for s in self._stops), default=0)
+        if not final and cut == text:
+            held = max((len(s) - 1 for s in self._stops), default=0)  # a stop string may be starting
             safe = len(cut) - held
             while safe > 0 and cut[safe - 1] == "\ufffd":  # a character still being spelled out
                 safe -= 1
@@ -165,42 +155,45 @@ class _Streamer:
 
 
 async def _events(
-    cluster: Any, record: RoomRecord, stops: list[str], chunk: Any, usage: bool
+    cluster: Any, room_id: int, stops: list[str], chunk: Callable[..., dict[str, Any]], usage: bool
 ) -> AsyncIterator[bytes]:
     def event(payload: dict[str, Any]) -> bytes:
         return b"data: " + msgspec.json.encode(payload) + b"\n\n"
 
-    streamer = _Streamer(cluster, record, stops)
+    streamer = _Streamer(cluster, stops)
     deadline = time.monotonic() + cluster.settings.request_timeout_s
     yield event(chunk("", None, first=True))
-    while not record.done.is_set():
-        record.progress.clear()
-        text = streamer.delta(final=False)
-        if text:
-            yield event(chunk(text, None))
-        left = deadline - time.monotonic()
-        if left <= 0:
-            break
-        try:
-            await asyncio.wait_for(record.progress.wait(), left)
-        except TimeoutError:
-            break
-    view = record.view()
-    if view["state"] == "FAILED" or not record.done.is_set():
+    async with cluster.watching(room_id) as changed:
+        while True:
+            changed.clear()
+            room = await cluster.store.room(room_id)
+            streamed = await cluster.store.tokens(room_id)
+            if room is None or room.done:
+                break
+            text = streamer.delta(streamed, final=False)
+            if text:
+                yield event(chunk(text, None))
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), left)
+    if room is None or not room.done or _failed(room):
+        reason = room.reason if room is not None else "unknown"
         error = {
-            "message": f"room {record.id} failed: {record.reason or 'timeout'}",
+            "message": f"room {room_id} failed: {reason or 'timeout'}",
             "type": "server_error",
             "param": None,
-            "code": record.reason,
+            "code": reason,
         }
         yield event({"error": error})
     else:
-        text = streamer.delta(final=True)
+        text = streamer.delta(room.output_ids if room.output_ids is not None else streamed, final=True)
         if text:
             yield event(chunk(text, None))
-        yield event(chunk("", record.finish_reason or "length"))
+        yield event(chunk("", room.finish_reason or "length"))
         if usage:
-            yield event({**chunk("", None), "choices": [], "usage": _usage(record)})
+            yield event({**chunk("", None), "choices": [], "usage": _usage(room, streamed)})
     yield b"data: [DONE]\n\n"
 
 
@@ -227,8 +220,8 @@ async def list_models(cluster: ClusterDep) -> dict[str, Any]:
 async def completions(body: CompletionRequest, cluster: ClusterDep) -> Response:
     _check_model(cluster, body.model)
     ids = cluster.tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else body.prompt
-    record = _place(cluster, ids, body.max_tokens, body)
-    created, rid = int(time.time()), f"cmpl-{record.id}"
+    room = await _place(cluster, ids, body.max_tokens, body)
+    created, rid = int(time.time()), f"cmpl-{room.room}"
 
     def chunk(text: str, finish: str | None, first: bool = False) -> dict[str, Any]:
         return {
@@ -241,11 +234,11 @@ async def completions(body: CompletionRequest, cluster: ClusterDep) -> Response:
 
     usage = bool(body.stream_options and body.stream_options.include_usage)
     if body.stream:
-        return _stream(_events(cluster, record, body.stops(), chunk, usage))
-    await _finished(cluster, record)
-    text = _cut(cluster.tokenizer.decode(record.output_ids or []), body.stops())
-    answer = chunk(text, record.finish_reason or "length")
-    return JSONResponse({**answer, "usage": _usage(record)})
+        return _stream(_events(cluster, room.room, body.stops(), chunk, usage))
+    room = await _finished(cluster, room)
+    text = _cut(cluster.tokenizer.decode(room.output_ids or []), body.stops())
+    answer = chunk(text, room.finish_reason or "length")
+    return JSONResponse({**answer, "usage": _usage(room, [])})
 
 
 @router.post("/chat/completions", response_model=None)
@@ -255,8 +248,8 @@ async def chat_completions(body: ChatRequest, cluster: ClusterDep) -> Response:
         ids = cluster.tokenizer.chat([m.model_dump() for m in body.messages])
     except TokenizerError as exc:
         raise OpenAIError(400, str(exc), param="messages") from exc
-    record = _place(cluster, ids, body.max_completion_tokens or body.max_tokens or 16, body)
-    created, rid = int(time.time()), f"chatcmpl-{record.id}"
+    room = await _place(cluster, ids, body.max_completion_tokens or body.max_tokens or 16, body)
+    created, rid = int(time.time()), f"chatcmpl-{room.room}"
 
     def chunk(text: str, finish: str | None, first: bool = False) -> dict[str, Any]:
         delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
@@ -272,9 +265,9 @@ async def chat_completions(body: ChatRequest, cluster: ClusterDep) -> Response:
 
     usage = bool(body.stream_options and body.stream_options.include_usage)
     if body.stream:
-        return _stream(_events(cluster, record, body.stops(), chunk, usage))
-    await _finished(cluster, record)
-    text = _cut(cluster.tokenizer.decode(record.output_ids or []), body.stops())
+        return _stream(_events(cluster, room.room, body.stops(), chunk, usage))
+    room = await _finished(cluster, room)
+    text = _cut(cluster.tokenizer.decode(room.output_ids or []), body.stops())
     return JSONResponse(
         {
             "id": rid,
@@ -285,10 +278,10 @@ async def chat_completions(body: ChatRequest, cluster: ClusterDep) -> Response:
                 {
                     "index": 0,
                     "message": {"role": "assistant", "content": text},
-                    "finish_reason": record.finish_reason or "length",
+                    "finish_reason": room.finish_reason or "length",
                     "logprobs": None,
                 }
             ],
-            "usage": _usage(record),
+            "usage": _usage(room, []),
         }
     )

@@ -1,157 +1,169 @@
-"""The bootstrap's view of every room: placement, the agreed state, the outcome, the result."""
+"""A room as the bootstrap sees it: its moves, the reports folded into it, and how it reads.
 
-import asyncio
-import collections
+These functions change a ``RoomData`` in place and do no I/O; the cluster runs
+them inside the store's atomic updates. A room's ``state`` is its current
+attempt's transfer state, SUCCESS once the decode node validated the KV and
+aux; ``outcome`` is the request's end after that.
+"""
+
 import logging
 import secrets
 import time
 from collections.abc import Callable
+from typing import Any
 
-from bootstrap.registry import Node
+from bootstrap.store import Attempt, RoomData
 from shared import protocol
-from shared.room import Room
-from shared.states import FailureReason, RoomState, forward_path
+from shared.states import FailureReason, RoomState, check_transition, forward_path
 
 log = logging.getLogger(__name__)
 
+# Failures before SUCCESS that say nothing about the request itself: another
+# placement may well serve it.
+REPLACEABLE = frozenset(
+    {
+        FailureReason.PEER_LOST,
+        FailureReason.NO_CAPACITY,
+        FailureReason.BOOTSTRAP_TIMEOUT,
+        FailureReason.WAITING_TIMEOUT,
+        FailureReason.TRANSFER_TIMEOUT,
+        FailureReason.TRANSFER_FAILED,
+        FailureReason.SHUTDOWN,
+    }
+)
 
-class RoomRecord(Room):
-    """A room as the bootstrap sees it.
 
-    ``state`` is the transfer's, from the decode node's reports: SUCCESS once
-    the KV and aux landed and were validated there. ``outcome`` is the
-    request's end after that: "completed" with the output, or "failed" with a
-    reason. The view's ``state`` is FAILED for a failed outcome.
+def new_id() -> int:
+    """Non-zero and exact in a float64: 0 is never a room, and JSON tools keep every digit."""
+    return secrets.randbelow(protocol.MAX_ROOM_ID) + 1
+
+
+def advance(room: RoomData, state: RoomState, ts: float | None = None) -> None:
+    """Move the room's current attempt to ``state`` if the table allows it; IllegalTransition otherwise."""
+    room.state = check_transition(room.room, RoomState(room.state), state)
+    room.attempt.state = room.state
+    room.timestamps[state.name] = ts or time.time()
+    log.info("room=%d %s", room.room, state.name, extra={"room": room.room})
+
+
+def end(room: RoomData, reason: str) -> bool:
+    """End the room: FAILED, or its outcome failed once the transfer succeeded. True if this ended it."""
+    if room.done:
+        return False
+    if room.state == RoomState.SUCCESS:
+        room.outcome = "failed"
+    else:
+        advance(room, RoomState.FAILED)
+        room.attempt.reason = reason
+    room.reason = reason
+    room.done = True
+    log.info("room=%d ended reason=%s", room.room, reason, extra={"room": room.room})
+    return True
+
+
+def fail_attempt(room: RoomData, reason: str) -> None:
+    """The current attempt failed before SUCCESS; the room waits for another placement."""
+    advance(room, RoomState.FAILED)
+    room.attempt.reason = reason
+    log.info(
+        "room=%d attempt %d failed reason=%s",
+        room.room,
+        len(room.attempts),
+        reason,
+        extra={"room": room.room},
+    )
+
+
+def replaceable(room: RoomData, reason: str, max_attempts: int) -> bool:
+    return room.state != RoomState.SUCCESS and reason in REPLACEABLE and len(room.attempts) < max_attempts
+
+
+def add_attempt(room: RoomData, attempt: Attempt) -> None:
+    """A new attempt: the room starts again from BOOTSTRAPPING, on nodes to be chosen."""
+    room.attempts.append(attempt)
+    room.state = RoomState.BOOTSTRAPPING
+    room.timestamps = {RoomState.BOOTSTRAPPING.name: time.time()}
+
+
+def attempt_of(room: RoomData, transfer: int) -> int:
+    return next(i for i, a in enumerate(room.attempts) if a.transfer == transfer)
+
+
+def apply(room: RoomData, index: int, role: str, report: protocol.RoomStatus) -> str | None:
+    """Fold a node's report on attempt ``index`` into the room.
+
+    Returns the reason the current attempt failed, if this report says so and
+    the room has not ended: the caller decides between another placement and
+    the end. Only the decode node's report moves the room forward: SUCCESS is
+    what it validated.
     """
-
-    def __init__(
-        self,
-        room: int,
-        input_ids: list[int],
-        max_new_tokens: int,
-        prefill: Node,
-        decode: Node,
-        detokenize: Callable[[list[int]], str],
-    ):
-        super().__init__(room)
-        self.input_ids = input_ids
-        self.max_new_tokens = max_new_tokens
-        self.prefill = prefill
-        self.decode = decode
-        self._detokenize = detokenize
-        self.node_states: dict[str, dict[str, object]] = {}
-        self.placed_at = time.monotonic()
-        self.done = asyncio.Event()
-        # Tokens streamed as the decode makes them, and a wake-up for whoever reads them.
-        self.streamed: list[int] = []
-        self.progress = asyncio.Event()
-
-    def view(self) -> dict[str, object]:
-        return {
-            **super().view(),
-            "finished": self.done.is_set(),
-            "prompt_tokens": len(self.input_ids),
-            "max_new_tokens": self.max_new_tokens,
-            "text": self._detokenize(self.output_ids) if self.output_ids is not None else None,
-            "prefill": {
-                "node_id": self.prefill.id,
-                "session_ids": [r.session_id for r in self.prefill.reg.ranks],
-            },
-            "decode": {
-                "node_id": self.decode.id,
-                "session_ids": [r.session_id for r in self.decode.reg.ranks],
-            },
-            "node_states": self.node_states,
-        }
-
-    def add_tokens(self, offset: int, tokens: list[int]) -> None:
-        """Streamed tokens, in order; a chunk that repeats or skips ahead is ignored."""
-        if offset == len(self.streamed):
-            self.streamed += tokens
-            self.progress.set()
-
-    def wake(self) -> None:
-        self.progress.set()
-
-
-class RoomBook:
-    def __init__(self, history: int):
-        self.rooms: collections.OrderedDict[int, RoomRecord] = collections.OrderedDict()
-        self.history = history
-
-    def new_id(self) -> int:
-        """Unique, non-zero, exact in a float64: 0 is never a room, and JSON tools keep every digit."""
-        while True:
-            room = secrets.randbelow(protocol.MAX_ROOM_ID) + 1
-            if room not in self.rooms:
-                return room
-
-    def add(self, record: RoomRecord) -> None:
-        self.rooms[record.id] = record
-        record.prefill.rooms.add(record.id)
-        record.decode.rooms.add(record.id)
-        self._trim()
-
-    def _trim(self) -> None:
-        """Forget the oldest finished rooms past the history size; O(1) per room added.
-
-        A room still in flight at the head holds trimming back until it finishes.
-        """
-        while len(self.rooms) > self.history:
-            oldest = next(iter(self.rooms.values()))
-            if not oldest.done.is_set():
-                return
-            self.rooms.popitem(last=False)
-
-    def in_flight(self) -> list[RoomRecord]:
-        return [r for r in self.rooms.values() if not r.done.is_set()]
-
-    def fail(self, record: RoomRecord, reason: str) -> bool:
-        """End the room FAILED (or its outcome failed, once the transfer succeeded); True if this ended it."""
-        if record.done.is_set():
-            return False
-        if record.state is RoomState.SUCCESS:
-            record.end("failed", reason)
+    attempt = room.attempts[index]
+    state = RoomState(report.state)
+    attempt.node_states[role] = {
+        "state": state.name,
+        "reason": report.reason,
+        "outcome": report.outcome,
+        "ts": report.timestamps.get(state.name),
+    }
+    if index != len(room.attempts) - 1 or room.done:
+        return None
+    room.timings.update(report.timings)
+    if state is RoomState.FAILED:
+        if room.state == RoomState.SUCCESS or room.state == RoomState.FAILED:
+            return None
+        return report.reason or f"{role}_failed"
+    if role != "decode":
+        return None
+    for step in forward_path(RoomState(room.state), state):
+        advance(room, step, report.timestamps.get(step.name))
+    if room.state == RoomState.SUCCESS and report.outcome is not None:
+        if report.outcome == "completed":
+            room.output_ids = report.output_ids or []
+            room.finish_reason = report.finish_reason
+            room.outcome = "completed"
+            room.done = True
         else:
-            record.fail(reason)
-        self._finish(record)
-        return True
+            end(room, report.reason or FailureReason.DECODE_FAILED)
+    return None
 
-    def _finish(self, record: RoomRecord) -> None:
-        record.prefill.rooms.discard(record.id)
-        record.decode.rooms.discard(record.id)
-        record.done.set()
-        record.wake()
-        self._trim()
 
-    def apply(self, record: RoomRecord, role: str, report: protocol.RoomStatus) -> list[Node]:
-        """Fold a node's report into the room; returns nodes that must be told to abort."""
-        state = RoomState(report.state)
-        ts = report.timestamps.get(state.name)
-        record.node_states[role] = {
-            "state": state.name,
-            "reason": report.reason,
-            "outcome": report.outcome,
-            "ts": ts,
-        }
-        record.timings.update(report.timings)
-        if record.done.is_set():
-            return []
-        if state is RoomState.FAILED:
-            if record.state is not RoomState.SUCCESS and self.fail(record, report.reason or f"{role}_failed"):
-                return [record.decode if role == "prefill" else record.prefill]
-            return []
-        if role != "decode":
-            return []
-        # Only the decode node's report moves the room: SUCCESS is what it validated.
-        for step in forward_path(record.state, state):
-            record.advance(step, ts=report.timestamps.get(step.name))
-        if record.state is RoomState.SUCCESS and report.outcome is not None:
-            if report.outcome == "completed":
-                record.output_ids = report.output_ids or []
-                record.finish_reason = report.finish_reason
-                record.end("completed")
-            else:
-                record.end("failed", report.reason or FailureReason.DECODE_FAILED)
-            self._finish(record)
-        return []
+def view(
+    room: RoomData,
+    detokenize: Callable[[list[int]], str],
+    sessions: Callable[[str], list[str]],
+    streamed: list[int] | None = None,
+) -> dict[str, Any]:
+    """The room as GET /rooms/{room} shows it; ``sessions`` gives a node's ranks' session ids."""
+    output = room.output_ids
+    if output is None and room.partial and streamed:
+        output = streamed
+    attempt = room.attempt
+    return {
+        "room": room.room,
+        "state": "FAILED" if room.outcome == "failed" else RoomState(room.state).name,
+        "transfer_state": RoomState(room.state).name,
+        "outcome": room.outcome,
+        "reason": room.reason,
+        "finish_reason": room.finish_reason,
+        "finished": room.done,
+        "partial": room.partial,
+        "prompt_tokens": len(room.input_ids),
+        "max_new_tokens": room.max_new_tokens,
+        "output_ids": output,
+        "text": detokenize(output) if output is not None else None,
+        "prefill": {"node_id": attempt.prefill, "session_ids": sessions(attempt.prefill)},
+        "decode": {"node_id": attempt.decode, "session_ids": sessions(attempt.decode)},
+        "attempts": [
+            {
+                "transfer": a.transfer,
+                "prefill": a.prefill,
+                "decode": a.decode,
+                "state": RoomState(a.state).name,
+                "reason": a.reason,
+            }
+            for a in room.attempts
+        ],
+        "node_states": attempt.node_states,
+        "timestamps": room.timestamps,
+        "timings": room.timings,
+    }

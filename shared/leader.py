@@ -26,6 +26,8 @@ from shared.states import FailureReason
 from shared.zmq_io import PushSockets, bind_pull
 
 log = logging.getLogger(__name__)
+# Rooms held this long are named in heartbeats: the bootstrap says which it no longer holds.
+SWEEP_AGE_S = 10.0
 
 
 def leader_endpoint(directory: Path) -> str:
@@ -132,6 +134,12 @@ class NodeLeader:
     def ready(self) -> bool:
         return len(self.ranks) == self.world
 
+    def orphaned(self, rooms: list[int]) -> None:
+        """Rooms the cluster no longer holds (its bootstrap forgot them): nobody waits for them."""
+        for room in rooms:
+            if room in self.service.rooms.live:
+                self.assign(protocol.AbortRoom(room=room, rank=0, reason=FailureReason.ORPHANED))
+
     def rank_died(self, rank: int, how: str) -> None:
         """A rank process ended: the node cannot serve any more; every room it holds fails."""
         self.alive[rank] = False
@@ -154,6 +162,7 @@ class NodeLeader:
             model=self.rank.source.identity,
             num_pages=self.rank.pool.num_pages,
             verify_kv=self.rank.settings.verify_kv,
+            heartbeat_interval_s=self.rank.settings.heartbeat_interval_s,
         )
 
     def _rank_health(self) -> list[protocol.RankHealth]:
@@ -162,8 +171,12 @@ class NodeLeader:
 
     def heartbeat(self) -> Heartbeat:
         healths = self._rank_health()
+        old = time.time() - SWEEP_AGE_S
         return Heartbeat(
             rooms_in_flight=len(self.service.rooms.live),
+            rooms=[r.id for r in self.service.rooms.live.values() if r.timestamps["BOOTSTRAPPING"] < old][
+                :4096
+            ],
             free_pages=min(h.free_pages for h in healths),
             healthy=self.broken is None,
             problem=self.broken,

@@ -54,6 +54,7 @@ class Membership:
         heartbeat: Callable[[], Heartbeat],
         send: Send,
         known_rooms: Callable[[], list[Room]],
+        orphaned: Callable[[list[int]], None],
     ):
         self.settings = settings
         self.node_id = node_id
@@ -61,6 +62,7 @@ class Membership:
         self._heartbeat = heartbeat
         self._send = send
         self._known_rooms = known_rooms
+        self._orphaned = orphaned
         self.standing = Standing.STARTING
         self.problem: str | None = "not registered yet"
         self.registered = asyncio.Event()
@@ -68,8 +70,8 @@ class Membership:
             load_public_key(settings.bootstrap_public_key) if settings.bootstrap_public_key else None
         )
         self.bootstrap_keys: frozenset[str] = frozenset()
-        self._report_to: tuple[str, str] | None = None
-        self._bootstrap_id: str | None = None
+        self._report_to: tuple[str, str, str] | None = None  # (bootstrap id, endpoint, key)
+        self._epoch: str | None = None
         token = settings.resolved_join_token()
         self.auth = {"Authorization": f"Bearer {token}"} if token else {}
         self._json = {**self.auth, "content-type": "application/json"}
@@ -118,7 +120,7 @@ class Membership:
         self._report_timer = None
         if self._report_to is None:
             return  # kept until we know where reports go
-        endpoint, key = self._report_to
+        _, endpoint, key = self._report_to
         chunks, self._pending_tokens = self._pending_tokens, []
         for start in range(0, len(chunks), protocol.MAX_REPORTS):
             msg = protocol.RoomTokens(self.node_id, chunks[start : start + protocol.MAX_REPORTS])
@@ -144,20 +146,34 @@ class Membership:
     # -- the bootstrap ----------------------------------------------------------------
 
     def _accept(self, answer: dict[str, Any]) -> None:
-        """Take the bootstrap's answer to a registration or heartbeat."""
+        """Take the bootstrap's answer to a registration or heartbeat.
+
+        Reports keep going to the same bootstrap while it lives (there may be
+        several behind one address); when it is gone, or the cluster says
+        reports may have been lost, every room this node knows is reported again.
+        """
         registered = Registered.model_validate(answer)
-        keys = frozenset(registered.bootstrap_keys)
+        live = {b.id: b for b in registered.bootstraps}
+        keys = frozenset(b.public_key for b in live.values() if b.public_key)
         if self._pinned is not None and self._pinned not in keys:
             raise RegistrationError(f"the bootstrap's keys {sorted(keys)} do not include the pinned one")
         self.bootstrap_keys = frozenset({self._pinned}) if self._pinned else keys
-        self._report_to = (registered.report_endpoint, registered.report_key)
-        restarted = self._bootstrap_id is not None and registered.bootstrap_id != self._bootstrap_id
-        self._bootstrap_id = registered.bootstrap_id
-        if restarted:
+        moved = self._report_to is not None and self._report_to[0] not in live
+        if self._report_to is None or moved:
+            target = registered.bootstraps[0]
+            self._report_to = (target.id, target.report_endpoint, target.public_key)
+        lost = self._epoch is not None and registered.epoch != self._epoch
+        self._epoch = registered.epoch
+        if moved or lost:
             rooms = self._known_rooms()
-            log.warning("the bootstrap restarted; reporting %d rooms again", len(rooms))
+            log.warning("reports may have been lost; reporting %d rooms again", len(rooms))
             for room in rooms:
                 self.report(room)
+        if registered.unknown_rooms:
+            log.warning(
+                "the cluster does not hold %d rooms of this node: ending them", len(registered.unknown_rooms)
+            )
+            self._orphaned(registered.unknown_rooms)
 
     async def _register(self, client: httpx.AsyncClient) -> None:
         reg = self._registration()

@@ -88,6 +88,15 @@ class ServiceMetrics:
                 registry=r,
                 buckets=LATENCY_BUCKETS,
             )
+            self.attempts = Counter(
+                "kvroom_room_attempts_total", "Placements of rooms, first ones included", registry=r
+            )
+            self.replacements = Counter(
+                "kvroom_room_replacements_total",
+                "Rooms placed again after an attempt failed, by the failure",
+                ["reason"],
+                registry=r,
+            )
 
     def gauge_function(self, name: str, doc: str, fn: Callable[[], float]) -> None:
         Gauge(name, doc, registry=self.registry).set_function(fn)

@@ -86,6 +86,7 @@ class NodeRegistration(Strict):
     model: ModelIdentity
     num_pages: int = Field(ge=1, le=1 << 30, description="KV pages per rank")
     verify_kv: bool = False
+    heartbeat_interval_s: float = Field(default=1.0, gt=0, le=3600)
 
     @property
     def tp_size(self) -> int:
@@ -101,18 +102,33 @@ class RankStatus(Strict):
 
 class Heartbeat(Strict):
     rooms_in_flight: int = Field(default=0, ge=0)
+    # The node's oldest live rooms: the bootstrap names those it no longer knows, which the node ends.
+    rooms: list[int] = Field(default=[], max_length=4096)
     free_pages: int = Field(default=0, ge=0, description="the fewest free pages of any rank")
     healthy: bool = True
     problem: str | None = Field(default=None, max_length=512, description="why the node cannot serve")
     ranks: list[RankStatus] = Field(default=[], max_length=protocol.MAX_RANKS)
 
 
+class Bootstrap(Strict):
+    """A live bootstrap: where to report to it, and the key its messages come from."""
+
+    id: str
+    report_endpoint: str
+    public_key: str
+
+
 class Registered(Strict):
     """The bootstrap's answer to a registration or a heartbeat."""
 
     node_id: str
-    report_endpoint: str
-    bootstrap_keys: list[str] = Field(description="CURVE public keys room assignments come from")
-    report_key: str = Field(description="CURVE public key of the report endpoint")
+    bootstraps: list[Bootstrap] = Field(
+        min_length=1, description="every live bootstrap, the answering one first"
+    )
     node_ttl_s: float
-    bootstrap_id: str = Field(description="changes when the bootstrap restarts: reports are sent again")
+    epoch: str = Field(
+        description="changes when reports may have been lost: every node reports its rooms again"
+    )
+    unknown_rooms: list[int] = Field(
+        default=[], description="rooms of the heartbeat the cluster does not hold"
+    )

@@ -166,12 +166,7 @@ async def _leader(
         return [*service.rooms.live.values(), *service.rooms.finished.values()]
 
     membership = Membership(
-        settings,
-        node_id,
-        leader.registration,
-        leader.heartbeat,
-        rank.push.send,
-        known_rooms,
+        settings, node_id, leader.registration, leader.heartbeat, rank.push.send, known_rooms, leader.orphaned
     )
     membership.loop = loop
     leader.membership = membership

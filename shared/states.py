@@ -37,6 +37,8 @@ class FailureReason(enum.StrEnum):
     AUX_MISMATCH = "aux_mismatch"
     KV_CORRUPT = "kv_corrupt"
     SHUTDOWN = "shutdown"
+    DEADLINE = "deadline"
+    ORPHANED = "orphaned"
 
 
 S = RoomState

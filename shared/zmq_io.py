@@ -9,11 +9,13 @@ PushSockets object belongs to one thread.
 
 import asyncio
 import collections
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from shared import protocol
 from shared.errors import KvroomError, ProtocolError
@@ -37,6 +39,7 @@ class PushSockets:
         self._security = security
         self._sockets: collections.OrderedDict[tuple[str, str], zmq.Socket] = collections.OrderedDict()
         self._max = max_sockets
+        self._monitors: dict[str, tuple[zmq.Socket, int]] = {}
 
     def _socket(self, endpoint: str, server_key: str) -> zmq.Socket:
         key = (endpoint, server_key)
@@ -70,11 +73,48 @@ class PushSockets:
             return False
         return True
 
+    def watch(self, endpoint: str, server_key: str, on_disconnect: Callable[[str], object]) -> None:
+        """Connect to ``endpoint`` now and call ``on_disconnect(endpoint)`` from the event loop
+        whenever that connection drops: a peer process that died is known at once."""
+        try:
+            sock = self._socket(endpoint, server_key)
+        except zmq.ZMQError:
+            return
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        loop = asyncio.get_running_loop()
+
+        def drain() -> None:
+            while not monitor.closed:
+                try:
+                    event = recv_monitor_message(monitor, zmq.NOBLOCK)
+                except zmq.Again:
+                    return
+                except zmq.ZMQError:
+                    break
+                if event["event"] == zmq.EVENT_DISCONNECTED:
+                    on_disconnect(endpoint)
+            loop.remove_reader(fd)
+
+        fd = monitor.fileno()
+        loop.add_reader(fd, drain)
+        self._monitors[endpoint] = (monitor, fd)
+
+    def _unwatch(self, endpoint: str) -> None:
+        watched = self._monitors.pop(endpoint, None)
+        if watched is not None:
+            monitor, fd = watched
+            with contextlib.suppress(Exception):
+                asyncio.get_running_loop().remove_reader(fd)
+            monitor.close(0)
+
     def forget(self, endpoint: str) -> None:
+        self._unwatch(endpoint)
         for key in [k for k in self._sockets if k[0] == endpoint]:
             self._sockets.pop(key).close(0)
 
     def close(self) -> None:
+        for endpoint in list(self._monitors):
+            self._unwatch(endpoint)
         for sock in self._sockets.values():
             sock.close(0)
         self._sockets.clear()

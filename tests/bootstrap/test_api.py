@@ -103,8 +103,8 @@ def test_nodes_need_the_join_token_and_never_see_it(client):
     assert [a.status_code for a in answers[:2]] == [201, 200]
     for answer in answers:
         assert JOIN not in answer.text
-    registered = answers[0].json()
-    assert registered["bootstrap_keys"] and registered["report_key"] == registered["bootstrap_keys"][0]
+    (me,) = answers[0].json()["bootstraps"]
+    assert me["public_key"] and me["report_endpoint"].startswith("tcp://")
 
 
 def test_client_routes_need_the_api_key_when_one_is_set():
@@ -255,8 +255,9 @@ def test_a_draining_or_unhealthy_node_gets_no_rooms(client):
     room = client.post("/rooms", json={"prompt": "z", "max_new_tokens": 2}).json()["room"]
     beat = {"healthy": False, "problem": "rank 1 exited with code -9"}
     assert client.put("/nodes/d1/heartbeat", json=beat, headers=AUTH).status_code == 200
-    failed = client.get(f"/rooms/{room}").json()
+    failed = client.get(f"/rooms/{room}", params={"wait": 5}).json()  # no other decode to place it on
     assert (failed["state"], failed["reason"]) == ("FAILED", "peer_lost")
+    assert [a["state"] for a in failed["attempts"]] == ["FAILED", "FAILED"]
     assert client.post("/rooms", json={"prompt": "w", "max_new_tokens": 2}).status_code == 503
     nodes = {n["node_id"]: n for n in client.get("/nodes").json()}
     assert nodes["d1"]["problem"] == "rank 1 exited with code -9" and not nodes["d1"]["healthy"]
@@ -265,25 +266,29 @@ def test_a_draining_or_unhealthy_node_gets_no_rooms(client):
 
 
 def test_room_history_is_bounded():
-    from bootstrap.registry import Node
-    from bootstrap.rooms import RoomBook, RoomRecord
-    from shared.model import decode_text
-    from shared.registration import NodeRegistration
+    import asyncio
 
-    book = RoomBook(history=3)
-    prefill, decode = (
-        Node(NodeRegistration(**registration(n, r))) for n, r in (("p", "prefill"), ("d", "decode"))
-    )
-    records = [RoomRecord(book.new_id(), [1], 1, prefill, decode, decode_text) for _ in range(6)]
-    for record in records[:4]:
-        book.add(record)
-    assert len(book.rooms) == 4  # the oldest is still in flight: kept
-    book.fail(records[0], "aborted")
-    assert list(book.rooms) == [r.id for r in records[1:4]]
-    for record in records[4:]:
-        book.add(record)
-        book.fail(record, "aborted")
-    assert len(book.rooms) == 5  # records 1..3 in flight hold the head; nothing finished behind them is lost
-    for record in records[1:4]:
-        book.fail(record, "aborted")
-    assert len(book.rooms) == 3 and list(book.rooms) == [r.id for r in records[3:]]
+    from bootstrap import rooms
+    from bootstrap.store import Attempt, MemoryStore, RoomData
+
+    async def run():
+        store = MemoryStore(history=3)
+        made = [RoomData(i, [1], 1, [], False, 0.0, [Attempt(i, "p", "d")]) for i in range(1, 7)]
+
+        async def end(room):
+            await store.update_room(room.room, lambda r: rooms.end(r, "aborted"))
+
+        for room in made[:4]:
+            await store.create_room(room)
+        assert len(await store.recent(10)) == 4  # the oldest is still in flight: kept
+        await end(made[0])
+        assert [r.room for r in await store.recent(10)] == [4, 3, 2]
+        for room in made[4:]:
+            await store.create_room(room)
+            await end(room)
+        assert len(await store.recent(10)) == 5  # 2..4 in flight hold the head; nothing finished behind is lost
+        for room in made[1:4]:
+            await end(room)
+        assert [r.room for r in await store.recent(10)] == [6, 5, 4]
+
+    asyncio.run(run())

@@ -45,11 +45,13 @@ def test_a_directory_without_a_tokenizer_is_refused(tmp_path):
 
 
 def test_the_bootstrap_never_imports_torch(checkpoints):
+    model = str(checkpoints["qwen2"])
     code = (
-        "import sys; from bootstrap.settings import BootstrapSettings; from bootstrap.cluster import Cluster; "
-        "from bootstrap.app import create_app; from launcher.local_stack import free_port; "
-        f"s = BootstrapSettings(http_port=free_port(), zmq_port=free_port(), model={str(checkpoints['qwen2'])!r}); "
-        "c = Cluster(s); c.tokenizer.encode('hi'); create_app(s); c.close(); "
+        "import sys; from bootstrap.settings import BootstrapSettings\n"
+        "from bootstrap.cluster import Cluster; from bootstrap.app import create_app\n"
+        "from launcher.local_stack import free_port\n"
+        f"s = BootstrapSettings(http_port=free_port(), zmq_port=free_port(), model={model!r})\n"
+        "c = Cluster(s); c.tokenizer.encode('hi'); create_app(s)\n"
         "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'torch loaded'"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
