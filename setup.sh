@@ -2,14 +2,14 @@
 # Installs what kvroom needs on a fresh Debian or Ubuntu host:
 # the system package libibverbs1 (the transfer engine loads it) and a virtualenv in .venv.
 # Usage: bash setup.sh [EXTRAS]   (EXTRAS default "cpu"; "cpu,dev" adds the test tools,
-# including Chromium and its driver for the status-page test)
+# including Chromium and its driver for the status-page test, redis-server and jq)
 set -euo pipefail
 cd "$(dirname "$0")"
 extras="${1:-cpu}"
 sudo=""
 [ "$(id -u)" -ne 0 ] && sudo="sudo"
 packages="libibverbs1"
-[[ ",$extras," == *",dev,"* ]] && packages="$packages chromium chromium-driver"
+[[ ",$extras," == *",dev,"* ]] && packages="$packages chromium chromium-driver redis-server jq"
 missing=""
 for p in $packages; do dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"; done
 if [ -n "$missing" ]; then

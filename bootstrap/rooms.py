@@ -105,9 +105,11 @@ def apply(room: RoomData, index: int, role: str, report: protocol.RoomStatus) ->
         "outcome": report.outcome,
         "ts": report.timestamps.get(state.name),
     }
-    if index != len(room.attempts) - 1 or room.done:
+    if index != len(room.attempts) - 1:
         return None
-    room.timings.update(report.timings)
+    room.timings.update(report.timings)  # the prefill's come once the room may have ended
+    if room.done:
+        return None
     if state is RoomState.FAILED:
         if room.state == RoomState.SUCCESS or room.state == RoomState.FAILED:
             return None

@@ -12,7 +12,10 @@
     ├── AuxValidationError       aux bytes landed but do not belong to the room
     ├── PoolExhausted            no free KV page or aux slot
     ├── TransferError            the transfer engine failed a write
-    └── RegistrationError        the bootstrap refused or could not take a node
+    ├── RegistrationError        the bootstrap refused or could not take a node
+    ├── SecretError              a key or secret file is missing or unreadable (shared.security)
+    ├── StoreUnavailable         the bootstrap's store cannot be reached (bootstrap.store)
+    └── ClientError              the client's bootstrap refused or could not be reached (bootstrap.client)
 
 Errors from zmq, the engine and httpx are translated at the boundary with
 ``raise ... from exc``.

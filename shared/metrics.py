@@ -59,7 +59,8 @@ class ServiceMetrics:
         self.received = Counter(
             "kvroom_messages_received_total", "ZMQ messages read from this service's sockets", registry=r
         )
-        self.rooms = Gauge("kvroom_rooms", "Rooms by current state", ["state"], registry=r)
+        if role in ("prefill", "decode"):
+            self.rooms = Gauge("kvroom_rooms", "Rooms on this node by current state", ["state"], registry=r)
         if role == "prefill":
             self.transfer_bytes = Counter(
                 "kvroom_transfer_bytes_total", "KV bytes written to peers", registry=r

@@ -7,6 +7,7 @@ service serves, names that refer to objects these files define.
 """
 
 import re
+import subprocess
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -308,3 +309,15 @@ def test_references_resolve_to_objects_defined_here():
                 for _, w in OBJECTS
                 if w["kind"] in WORKLOADS
             ), f"Service {doc['metadata']['name']} selects no pod"
+
+
+@pytest.mark.parametrize(
+    ("token", "starts"), [("REPLACE-ME-with-openssl-rand-hex-24", False), ("", False), ("3f9c0d5e1a", True)]
+)
+def test_the_bootstrap_refuses_the_placeholder_secret(token, starts):
+    pod = find("Deployment", "kvroom-bootstrap")["spec"]["template"]["spec"]
+    (check,) = pod["initContainers"]
+    assert check["env"][0]["valueFrom"]["secretKeyRef"] == {"name": "kvroom-join-token", "key": "token"}
+    assert find("Secret", "kvroom-join-token")["stringData"]["token"].startswith("REPLACE-ME")
+    out = subprocess.run(check["command"], env={"KVROOM_JOIN_TOKEN": token}, capture_output=True, timeout=10)
+    assert (out.returncode == 0) is starts, out.stderr

@@ -286,7 +286,9 @@ def test_room_history_is_bounded():
         for room in made[4:]:
             await store.create_room(room)
             await end(room)
-        assert len(await store.recent(10)) == 5  # 2..4 in flight hold the head; nothing finished behind is lost
+        assert (
+            len(await store.recent(10)) == 5
+        )  # 2..4 in flight hold the head; nothing finished behind is lost
         for room in made[1:4]:
             await end(room)
         assert [r.room for r in await store.recent(10)] == [6, 5, 4]

@@ -1,6 +1,11 @@
+import contextlib
+import socket
+import subprocess
+import time
+
 import pytest
 
-from launcher.local_stack import LocalStack
+from launcher.local_stack import LocalStack, free_port
 from shared.model import ReferenceModel, configure_determinism
 
 # Short liveness settings so fault tests finish in seconds.
@@ -34,3 +39,58 @@ def fast_stack(tmp_path):
 def model():
     configure_determinism()
     return ReferenceModel()
+
+
+class Redis:
+    """A real redis-server on a free port of 127.0.0.1, its data (append-only) in ``directory``."""
+
+    def __init__(self, directory):
+        self.directory = directory
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> "Redis":
+        self.directory.mkdir(parents=True, exist_ok=True)
+        args = [
+            "redis-server",
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(self.directory),
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            "always",
+            "--save",
+            "",
+            "--protected-mode",
+            "no",
+        ]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 20
+        while True:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), 0.2) as s:
+                s.sendall(b"PING\r\n")
+                if s.recv(16).startswith(b"+PONG"):
+                    return self
+            if time.monotonic() > deadline:
+                raise TimeoutError("redis-server did not start")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+        self.proc = None
+
+
+@pytest.fixture
+def redis(tmp_path):
+    server = Redis(tmp_path / "redis").start()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -132,6 +132,7 @@ def test_aux_naming_another_room_fails_only_that_room(stack, held, model):
     ],
 )
 def test_each_waiting_state_times_out_with_its_reason(stack, held, kinds, reason):
+    stack.bootstrap.args += ["--max-attempts", "1"]  # the room ends with its first attempt
     flags = ["--bootstrap-timeout-s", "1", "--waiting-timeout-s", "1", "--transfer-timeout-s", "1"]
     prefill, decode, proxy = held(*flags, kinds=kinds)
     with stack.client() as client:

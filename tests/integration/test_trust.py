@@ -111,6 +111,7 @@ def test_a_decode_that_raises_is_failed_everywhere_and_counted(stack, model):
 
 
 def test_a_late_write_lands_only_in_fenced_pages(stack, model, tmp_path):
+    stack.bootstrap.args += ["--max-attempts", "1"]  # the room ends with the write that gave up
     stack.bootstrap.start()
     stack.bootstrap.wait_healthy(registered=False)
     release = tmp_path / "release-the-write"

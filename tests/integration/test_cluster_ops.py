@@ -1,0 +1,235 @@
+"""Operating a real cluster: Redis behind the bootstrap, two bootstraps, node loss, placement by capacity.
+
+Real processes on 127.0.0.1, the real engine, a real redis-server.
+"""
+
+import asyncio
+import json
+import shutil
+import subprocess
+
+import httpx
+import pytest
+
+from shared import protocol
+from shared.model import encode_text, generate
+from tests.integration.conftest import FAST_BOOTSTRAP, FAST_NODE
+from tests.integration.helpers import metric, pools_full, wait_for
+from tests.integration.holding_proxy import in_front_of
+
+
+def registrations(node) -> int:
+    return node.log_path.read_text().count("registered with")
+
+
+async def post_all(url: str, prompts: list[str], tokens: int, in_flight: int = 32) -> list[dict]:
+    """Every prompt as a room, ``in_flight`` at a time; each room's answer once it finished."""
+    gate = asyncio.Semaphore(in_flight)
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+
+        async def one(prompt: str) -> dict:
+            async with gate:
+                made = (await client.post("/rooms", json={"prompt": prompt, "max_new_tokens": tokens})).json()
+                for _ in range(20):
+                    body = (await client.get(f"/rooms/{made['room']}", params={"wait": 30})).json()
+                    if body["finished"]:
+                        return body
+                raise AssertionError(f"room {made['room']} never finished: {body}")
+
+        return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+
+def test_rooms_survive_a_bootstrap_killed_and_restarted(tmp_path, redis, model):
+    from launcher.local_stack import LocalStack
+
+    with LocalStack(tmp_path / "logs", bootstrap_args=["--store", redis.url, *FAST_BOOTSTRAP]) as stack:
+        prefill, decode = stack.start(FAST_NODE, FAST_NODE)
+        prompts = [f"survive the restart {i} " * (1 + i % 3) for i in range(32)]
+        with stack.client() as client:
+            rooms = [
+                client.post("/rooms", json={"prompt": p, "max_new_tokens": 40}).json()["room"]
+                for p in prompts
+            ]
+            stack.bootstrap.kill()
+            stack.bootstrap.start()  # same ports, same key; what it knew is in Redis
+            stack.bootstrap.wait_healthy(registered=False)
+            for prompt, room in zip(prompts, rooms, strict=True):
+                final = client.get(f"/rooms/{room}", params={"wait": 30}).json()
+                assert final["finished"], final
+                if final["state"] == "SUCCESS":
+                    assert final["output_ids"] == generate(model, encode_text(prompt), 40)
+                else:
+                    assert final["reason"], final
+            assert sum(client.get(f"/rooms/{r}").json()["state"] == "SUCCESS" for r in rooms) >= 16
+        assert registrations(prefill) == registrations(decode) == 1  # they never had to register again
+        wait_for(lambda: pools_full(prefill, decode), 15, "pools full")
+
+
+def test_two_bootstraps_share_one_redis(tmp_path, redis, model):
+    from launcher.local_stack import LocalStack
+
+    with LocalStack(tmp_path / "logs", bootstrap_args=["--store", redis.url]) as stack:
+        other = stack._service("bootstrap-b", "bootstrap", ["--store", redis.url])
+        stack.bootstrap.start()
+        other.start()
+        stack.bootstrap.wait_healthy(registered=False)
+        other.wait_healthy(registered=False)
+        prefill, decode = stack.node("prefill", "prefill-0").start(), stack.node("decode", "decode-0").start()
+        prefill.wait_healthy()
+        decode.wait_healthy()
+        prompts = [f"two bootstraps {i}" for i in range(200)]
+
+        async def run() -> list[dict]:
+            async with (
+                httpx.AsyncClient(base_url=stack.bootstrap.url, timeout=60) as a,
+                httpx.AsyncClient(base_url=other.url, timeout=60) as b,
+            ):
+                gate = asyncio.Semaphore(16)
+
+                async def one(i: int) -> dict:
+                    async with gate:
+                        placed = await (a, b)[i % 2].post(
+                            "/rooms", json={"prompt": prompts[i], "max_new_tokens": 4}
+                        )
+                        room = placed.json()["room"]
+                        body = (await (b, a)[i % 2].get(f"/rooms/{room}", params={"wait": 30})).json()
+                        again = (await (a, b)[i % 2].get(f"/rooms/{room}")).json()
+                        assert again["state"] == body["state"]
+                        return body
+
+                return list(await asyncio.gather(*(one(i) for i in range(len(prompts)))))
+
+        for prompt, final in zip(prompts, asyncio.run(run()), strict=True):
+            assert final["state"] == "SUCCESS", final
+            assert final["output_ids"] == generate(model, encode_text(prompt), 4)
+        ids = {n["node_id"] for n in httpx.get(f"{other.url}/nodes").json()}
+        assert ids == {"prefill-0", "decode-0"}  # registered through one, known to both
+
+
+def test_a_bootstrap_without_redis_is_unhealthy_and_recovers(tmp_path, redis, model):
+    from launcher.local_stack import LocalStack
+
+    with LocalStack(tmp_path / "logs", bootstrap_args=["--store", redis.url]) as stack:
+        stack.start(FAST_NODE, FAST_NODE)
+        with stack.client() as client:
+            kept = client.post(
+                "/rooms", json={"prompt": "kept", "max_new_tokens": 4}, params={"wait": 20}
+            ).json()
+            assert kept["state"] == "SUCCESS"
+            redis.stop()
+            wait_for(lambda: client.get("/health").status_code == 503, 10, "the bootstrap to say so")
+            assert "redis" in client.get("/health").json()["problem"]
+            refused = client.post("/rooms", json={"prompt": "refused", "max_new_tokens": 4})
+            assert refused.status_code == 503
+            assert stack.bootstrap.running
+            redis.start()  # the same data directory: what Redis kept is back
+            wait_for(lambda: client.get("/health").status_code == 200, 20, "the bootstrap to recover")
+            assert client.get(f"/rooms/{kept['room']}").json()["state"] == "SUCCESS"
+            wait_for(lambda: client.get("/health").json()["live_decode_nodes"] == 1, 10, "nodes back")
+            after = client.post(
+                "/rooms", json={"prompt": "after", "max_new_tokens": 4}, params={"wait": 20}
+            ).json()
+            assert after["state"] == "SUCCESS" and after["output_ids"] == generate(
+                model, encode_text("after"), 4
+            )
+
+
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+def test_a_node_killed_in_a_two_by_two_cluster(fast_stack, model, role):
+    stack = fast_stack
+    stack.bootstrap.start()
+    stack.bootstrap.wait_healthy(registered=False)
+    nodes = {
+        name: stack.node(name.split("-")[0], name, FAST_NODE).start()
+        for name in ("prefill-a", "prefill-b", "decode-a", "decode-b")
+    }
+    for node in nodes.values():
+        node.wait_healthy()
+    victim = nodes[f"{role}-b"]
+    prompts = [f"cluster room {i} " * (1 + i % 4) for i in range(400)]
+
+    async def run() -> list[dict]:
+        results: list[dict] = []
+        first, rest = prompts[:133], prompts[133:]
+        task = asyncio.create_task(post_all(stack.bootstrap.url, first, 8))
+        await asyncio.sleep(0)  # let the first third start
+        results += await task
+        victim.kill()
+        results += await post_all(stack.bootstrap.url, rest, 8)
+        return results
+
+    finals = asyncio.run(run())
+    for prompt, final in zip(prompts, finals, strict=True):
+        assert final["finished"], final
+        if final["state"] == "SUCCESS":
+            assert final["output_ids"] == generate(model, encode_text(prompt), 8)
+        else:
+            assert final["reason"], final
+    after = finals[133 + 32 :]  # posted once the bootstrap had seen the node go
+    assert all(f[role]["node_id"] != victim.name for f in after)
+    assert all(f["state"] == "SUCCESS" for f in after)
+    replaced = [f for f in finals if len(f["attempts"]) == 2]
+    if role == "prefill":
+        # A room whose prefill died is placed again, and succeeds.
+        assert all(f["state"] == "SUCCESS" and f["attempts"][0]["prefill"] == victim.name for f in replaced)
+    survivors = [n for n in nodes.values() if n is not victim]
+    wait_for(lambda: pools_full(*survivors), 15, "the survivors' pools full")
+
+
+def test_rooms_go_where_there_is_room_and_wait_when_there_is_none(stack, model):
+    stack.bootstrap.args += ["--queue-limit", "2", "--max-wait-s", "20"]
+    stack.bootstrap.start()
+    stack.bootstrap.wait_healthy(registered=False)
+    prefill = stack.node("prefill", "prefill-0")
+    small = stack.node("decode", "decode-small", ["--num-pages", "8"])
+    big = stack.node("decode", "decode-big", ["--num-pages", "64"])
+    # The prefill's transfer requests are held: rooms keep their pages until let through.
+    with in_front_of(prefill, lambda m: isinstance(m, protocol.TransferRequest)) as proxy:
+        for node in (prefill, small, big):
+            node.start()
+        for node in (prefill, small, big):
+            node.wait_healthy()
+        body = {"prompt": "p" * 100, "max_new_tokens": 60}  # 10 pages: never on the small decode
+        with stack.client() as client:
+            rooms = [client.post("/rooms", json=body).json() for _ in range(6)]  # 60 of the big one's 64
+            assert {r["decode"]["node_id"] for r in rooms} == {"decode-big"}
+            wait_for(lambda: proxy.held_rooms() == {r["room"] for r in rooms}, 20, "the rooms to hold pages")
+
+        async def queue() -> list[dict]:
+            async with httpx.AsyncClient(base_url=stack.bootstrap.url, timeout=60) as c:
+                queued = [asyncio.create_task(c.post("/rooms", json=body)) for _ in range(2)]
+                while (await c.get("/health")).json()["queued_rooms"] < 2:
+                    await asyncio.sleep(0.02)
+                refused = await c.post("/rooms", json=body)  # beyond the queue: come back later
+                assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+                assert not any(q.done() for q in queued)
+                while not all(q.done() for q in queued):  # let every request through, as they come
+                    proxy.release()
+                    await asyncio.sleep(0.05)
+                placed = [q.result().json() for q in queued]
+                finals = []
+                for r in [*rooms, *placed]:
+                    while True:
+                        proxy.release()
+                        final = (await c.get(f"/rooms/{r['room']}", params={"wait": 0.2})).json()
+                        if final["finished"]:
+                            finals.append(final)
+                            break
+                return finals
+
+        finals = asyncio.run(queue())
+        assert [f["state"] for f in finals] == ["SUCCESS"] * 8
+        assert metric(stack.bootstrap, "kvroom_room_failures_total", 'reason="no_capacity"') == 0
+        assert metric(small, "kvroom_room_failures_total", 'reason="no_capacity"') == 0
+
+
+def test_room_ids_survive_a_float64_json_parser(stack):
+    stack.start()
+    with stack.client() as client:
+        raw = client.post("/rooms", json={"prompt": "jq", "max_new_tokens": 2}, params={"wait": 20}).text
+        room = json.loads(raw)["room"]
+        assert int(json.loads(raw, parse_int=float)["room"]) == room  # JavaScript, jq 1.6
+        if shutil.which("jq"):
+            out = subprocess.run(["jq", ".room"], input=raw, capture_output=True, text=True, check=True)
+            assert int(out.stdout) == room
+        assert client.get(f"/rooms/{int(float(room))}").json()["state"] == "SUCCESS"
