@@ -16,6 +16,7 @@ from bootstrap import api, openai_api, status_page
 from bootstrap.cluster import Cluster
 from bootstrap.openai_api import OpenAIError, openai_error
 from bootstrap.settings import BootstrapSettings
+from bootstrap.store import StoreUnavailable
 from shared.heap import freeze_startup_heap
 from shared.metrics import NO_OPENTELEMETRY
 
@@ -115,6 +116,12 @@ async def http_error(request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse({"detail": exc.detail}, status_code=exc.status_code, headers=exc.headers)
 
 
+async def store_unavailable(request: Request, exc: Exception) -> JSONResponse:
+    """The store (Redis) is gone: nothing can be read or placed until it is back. Retry later."""
+    http = StarletteHTTPException(503, f"the bootstrap's store is unavailable: {exc}", {"Retry-After": "1"})
+    return await http_error(request, http)
+
+
 def warn_if_open(settings: BootstrapSettings, join_token: str | None) -> None:
     if settings.host in ("0.0.0.0", "::") and join_token is None:
         log.warning(
@@ -156,6 +163,7 @@ def create_app(settings: BootstrapSettings) -> FastAPI:
     app.add_exception_handler(RequestValidationError, invalid_request)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(OpenAIError, openai_error)
+    app.add_exception_handler(StoreUnavailable, store_unavailable)
     app.include_router(api.nodes)
     app.include_router(api.nodes_open)
     app.include_router(openai_api.router)

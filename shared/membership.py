@@ -3,8 +3,9 @@
 Registration and heartbeats go over HTTP with the join secret (``Authorization:
 Bearer``); reports and streamed tokens go over ZMQ, CURVE-authenticated, to
 the report endpoint the bootstrap named. A refused registration (409) is retried
-with a growing pause; a bootstrap that forgot the node (404) gets a new
-registration; a bootstrap that restarted (its id changed) gets every room the
+with a growing pause; an unreachable bootstrap gets heartbeats until it answers
+(a restarted one that kept its store knows the node); one that forgot the node
+(404) gets a new registration; a bootstrap that restarted (its id changed) gets every room the
 node still knows reported again.
 """
 
@@ -156,7 +157,7 @@ class Membership:
         live = {b.id: b for b in registered.bootstraps}
         keys = frozenset(b.public_key for b in live.values() if b.public_key)
         if self._pinned is not None and self._pinned not in keys:
-            raise RegistrationError(f"the bootstrap's keys {sorted(keys)} do not include the pinned one")
+            raise RegistrationError(f"the bootstrap's keys {sorted(keys)} do not include the pinned one", refused=True)
         self.bootstrap_keys = frozenset({self._pinned}) if self._pinned else keys
         moved = self._report_to is not None and self._report_to[0] not in live
         if self._report_to is None or moved:
@@ -209,12 +210,16 @@ class Membership:
                     if resp.status_code != 200:
                         raise RegistrationError(f"heartbeat: {resp.status_code} {_detail(resp)}")
                     self._accept(resp.json())
+                    self.standing, self.problem = Standing.REGISTERED, None
                     retry = s.register_retry_s
                 except (httpx.HTTPError, RegistrationError, ValueError) as exc:
                     refused = isinstance(exc, RegistrationError) and exc.refused
                     self.standing = Standing.REFUSED if refused else Standing.UNREACHABLE
                     self.problem = f"registration {self.standing}: {exc}"
-                    self.registered.clear()
+                    if refused:
+                        self.registered.clear()
+                    # else the bootstrap may be restarting with what it knew in its store: the
+                    # next heartbeat tells (404 means register again).
                     log.warning("%s; trying again in %.1fs", self.problem, retry)
                     await asyncio.sleep(retry)
                     retry = min(MAX_RETRY_S, retry * 2)

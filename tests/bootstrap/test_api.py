@@ -129,6 +129,24 @@ def test_no_live_node_is_503(client):
     assert resp.status_code == 503 and "decode" in resp.json()["detail"]
 
 
+def test_a_store_that_cannot_be_reached_is_503_with_retry_after(client, monkeypatch):
+    from bootstrap.store import StoreUnavailable
+
+    async def gone(*args, **kwargs):
+        raise StoreUnavailable("redis at redis://127.0.0.1:1/0: connection refused")
+
+    store = client.app.state.cluster.store
+    for name in ("nodes", "room", "recent", "ping"):
+        monkeypatch.setattr(store, name, gone)
+    for method, path in (("POST", "/rooms"), ("GET", "/rooms/7"), ("GET", "/rooms"), ("GET", "/health")):
+        resp = client.request(method, path, json={"prompt": "hi", "max_new_tokens": 2})
+        assert resp.status_code == 503, (path, resp.text)
+        assert "redis" in resp.text
+    assert client.post("/rooms", json={"prompt": "hi", "max_new_tokens": 2}).headers["retry-after"] == "1"
+    resp = client.post("/v1/completions", json={"model": "reference", "prompt": "hi", "max_tokens": 2})
+    assert resp.status_code == 503 and "redis" in resp.json()["error"]["message"]
+
+
 @pytest.mark.parametrize(
     "body",
     [
