@@ -157,7 +157,9 @@ class Membership:
         live = {b.id: b for b in registered.bootstraps}
         keys = frozenset(b.public_key for b in live.values() if b.public_key)
         if self._pinned is not None and self._pinned not in keys:
-            raise RegistrationError(f"the bootstrap's keys {sorted(keys)} do not include the pinned one", refused=True)
+            raise RegistrationError(
+                f"the bootstrap's keys {sorted(keys)} do not include the pinned one", refused=True
+            )
         self.bootstrap_keys = frozenset({self._pinned}) if self._pinned else keys
         moved = self._report_to is not None and self._report_to[0] not in live
         if self._report_to is None or moved:
