@@ -4,19 +4,20 @@
 
 Runs real services on 127.0.0.1 over TCP in synthetic-KV mode (pages stamped,
 not computed; checked on the decode side after SUCCESS, outside the timing).
-Every kvroom room is interleaved with two raw-engine writes of the same bytes
-(blocking, and polled as the nodes wait), A B C C B A, and the median of the
-runs is reported. Nothing here asserts a timing.
+Every comparison is interleaved: within one run each side takes its turn, in an
+order reversed every other run, and a ratio or a difference is taken between
+neighbours of one run before the median over runs. Nothing here asserts a timing.
 """
 
 import argparse
 import asyncio
 import json
+import os
 import platform
 import statistics
 import tempfile
-import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,35 +30,35 @@ from launcher.local_stack import LocalStack, Service
 from shared.heap import freeze_startup_heap
 from shared.kv_layout import KVLayout
 
-MIB = 1 << 20
-# A KV layout of an 8B-class model: 32 layers, 8 KV heads of 128, bfloat16 (128 KiB a token).
-BIG = {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128, "dtype": "bfloat16"}
-# The reference model's own layout (1 KiB a token), for the control plane: 64 KiB = 64 tokens.
-SMALL: dict[str, Any] = {}
+KIB, MIB = 1 << 10, 1 << 20
+# The KV layout of an 8B-class model: 32 layers, 8 KV heads of 128, bfloat16, one token a page
+# (128 KiB): a room of N KiB moves N KiB.
+BIG = {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128, "dtype": "bfloat16", "page_size": 1}
+# The reference model's own layout (1 KiB a token), for the control plane: 64 tokens = 64 KiB.
+SMALL: dict[str, Any] = {"page_size": 16}
+# The stages of a room from the decode's transfer request to SUCCESS, by the nodes' wall clocks.
+STAGES = {
+    "request_hop": ("requested_at", "request_received_at"),
+    "hand_off": ("request_received_at", "write_started_at"),
+    "engine_write": ("write_started_at", "write_done_at"),
+    "done_to_success": ("write_done_at", "success_at"),
+}
 
 
-def layout_of(shape: dict[str, Any], page_size: int) -> KVLayout:
+def layout_of(shape: dict[str, Any]) -> KVLayout:
     return KVLayout(
         shape.get("num_layers", 2),
         shape.get("num_kv_heads", 4),
         shape.get("head_dim", 8),
-        page_size,
+        shape["page_size"],
         shape.get("dtype", "float32"),
     )
 
 
-def node_args(shape: dict[str, Any], page_size: int, pool_bytes: int, *extra: str) -> list[str]:
-    layout = layout_of(shape, page_size)
-    args = [
-        "--model",
-        "synthetic",
-        "--page-size",
-        str(page_size),
-        "--log-level",
-        "WARNING",
-        "--num-pages",
-        str(max(16, -(-pool_bytes // layout.page_bytes))),
-    ]
+def node_args(shape: dict[str, Any], pool_bytes: int, *extra: str) -> list[str]:
+    layout = layout_of(shape)
+    args = ["--model", "synthetic", "--log-level", "WARNING"]
+    args += ["--num-pages", str(max(16, -(-pool_bytes // layout.page_bytes)))]
     for key, value in shape.items():
         args += [f"--{key.replace('_', '-')}", str(value)]
     return args + list(extra)
@@ -70,17 +71,44 @@ def rss_mib(pid: int) -> float:
     return 0.0
 
 
+def service_rss(service: Service) -> float:
+    """Resident memory of a service with all its rank processes."""
+    assert service.proc is not None
+    pids = [service.proc.pid]
+    children = Path(f"/proc/{service.proc.pid}/task/{service.proc.pid}/children")
+    if children.exists():
+        pids += [int(p) for p in children.read_text().split()]
+    return sum(rss_mib(p) for p in pids if Path(f"/proc/{p}").exists())
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def latency_row(rooms: int, seconds: float, latencies: list[float]) -> dict[str, float]:
+def ms(seconds: float) -> float:
+    return seconds * 1000
+
+
+def interleaved(sides: dict[str, Callable[[], Any]], runs: int) -> dict[str, list[Any]]:
+    """Each side once a run, the order reversed every other run (A B C, C B A, ...)."""
+    samples: dict[str, list[Any]] = {name: [] for name in sides}
+    order = list(sides)
+    for run in range(runs):
+        for name in order if run % 2 == 0 else order[::-1]:
+            samples[name].append(sides[name]())
+    return samples
+
+
+def paired_median(a: list[float], b: list[float]) -> float:
+    """Median of the differences between neighbours of one run."""
+    return statistics.median(x - y for x, y in zip(a, b, strict=True))
+
+
+def stages_ms(timings: list[dict[str, float]]) -> dict[str, float]:
     return {
-        "rooms": rooms,
-        "rooms_per_s": rooms / seconds,
-        "p50_ms": percentile(latencies, 0.5) * 1000,
-        "p99_ms": percentile(latencies, 0.99) * 1000,
+        name: statistics.median(ms(t[end] - t[start]) for t in timings)
+        for name, (start, end) in STAGES.items()
     }
 
 
@@ -88,21 +116,37 @@ class Bench:
     def __init__(self, quick: bool, workdir: Path):
         self.quick = quick
         self.workdir = workdir
-        self.runs = 1 if quick else 51
-        # Aux latency samples by load: rooms one at a time, and at each in-flight level.
-        self.aux_latencies: dict[str, list[float]] = {}
+        self.runs = 5 if quick else 31
+        self.stacks: list[LocalStack] = []
 
-    def stack(self, name: str, prefill: list[str], decode: list[str]) -> tuple[LocalStack, Service, Service]:
+    def stack(
+        self,
+        name: str,
+        prefill: list[str],
+        decode: list[str],
+        secure: bool = True,
+        verify_kv: bool = False,
+        bootstrap: list[str] | None = None,
+    ) -> LocalStack:
         stack = LocalStack(
             self.workdir / name,
-            bootstrap_args=["--log-level", "WARNING", "--max-prompt-tokens", "131072"],
-            verify_kv=False,
+            bootstrap_args=["--log-level", "WARNING", "--max-prompt-tokens", "131072", *(bootstrap or [])],
+            secure=secure,
+            verify_kv=verify_kv,
         )
-        p, d = stack.start(prefill, decode)
-        return stack, p, d
+        self.stacks.append(stack)
+        stack.start(prefill, decode)
+        return stack
 
-    def room(self, client: httpx.Client, tokens: int) -> dict[str, Any]:
-        # One request that answers when the room finished: no client traffic during the transfer.
+    def close(self) -> None:
+        for stack in self.stacks:
+            stack.stop()
+        self.stacks = []
+
+    @staticmethod
+    def room(client: httpx.Client, tokens: int) -> dict[str, float]:
+        """One room of ``tokens`` tokens, posted with ``?wait=`` (the client is silent while it
+        transfers); its timings once both nodes reported."""
         created = client.post(
             "/rooms", params={"wait": 30}, json={"input_ids": [65] * tokens, "max_new_tokens": 1}
         )
@@ -110,251 +154,341 @@ class Bench:
         body: dict[str, Any] = created.json()
         while not body["finished"]:
             body = client.get(f"/rooms/{body['room']}", params={"wait": 30}).json()
-        room = body["room"]
         if body["state"] != "SUCCESS" or body["outcome"] != "completed":  # synthetic KV checked its stamps
-            raise RuntimeError(f"room {room} did not deliver intact KV: {body}")
-        for _ in range(100):  # the prefill's own report (its writes) may trail the decode's
-            if "bytes_written" in body["timings"]:
-                break
-            time.sleep(0.01)
-            body = client.get(f"/rooms/{room}").json()
-        self.aux_latencies.setdefault("1", []).append(body["timings"]["aux_latency_s"])
-        return body
+            raise RuntimeError(f"room {body['room']} did not deliver intact KV: {body}")
+        for _ in range(200):  # the prefill's own report (its writes) may trail the decode's
+            if "write_done_at" in body["timings"]:
+                return body["timings"]
+            time.sleep(0.005)
+            body = client.get(f"/rooms/{body['room']}").json()
+        raise RuntimeError(f"room {body['room']}: the prefill never reported its writes")
 
-    def transfer(
-        self,
-        sizes_mib: list[int],
-        page_size: int,
-        raw: RawPair,
-        scatter: bool = False,
-    ) -> list[dict[str, Any]]:
-        """kvroom (decode request to SUCCESS) against the raw engine, same bytes, same write count.
+    # -- transfer: kvroom against the raw engine ---------------------------------------
 
-        The raw engine writes twice per run: with its blocking batch call, the
-        baseline, and submitted and polled the way the nodes wait over TCP. The
-        three alternate A B C C B A, so none always runs right after another.
-        """
-        layout = layout_of(BIG, page_size)
-        pool = max(sizes_mib) * MIB + 8 * layout.page_bytes
-        decode_extra = ["--scatter-pages"] if scatter else []
-        stack, _, _ = self.stack(
-            f"transfer-p{page_size}{'-scatter' if scatter else ''}",
-            node_args(BIG, page_size, pool),
-            node_args(BIG, page_size, pool, *decode_extra),
-        )
+    def transfer(self, sizes_kib: list[int]) -> list[dict[str, Any]]:
+        """A room (decode's transfer request to SUCCESS) against the raw engine writing the same
+        bytes in the same writes: blocking, and submitted and polled as the nodes wait over TCP."""
+        layout = layout_of(BIG)
+        pool = max(sizes_kib) * KIB + 8 * layout.page_bytes
+        stack = self.stack("transfer", node_args(BIG, pool), node_args(BIG, pool))
+        raw = RawPair(pool)
         rows = []
         try:
             with stack.client() as client:
-                self.room(client, layout.page_size)  # warm the connection between the engines
-                for size in sizes_mib:
-                    tokens = size * MIB // (layout.page_bytes // layout.page_size)
-                    # A first room of the size tells what moves: whole pages, in how many writes.
-                    timings = self.room(client, tokens)["timings"]
-                    moved, count = int(timings["bytes_written"]), int(timings["engine_writes"])
-                    ours, blocking, polled, writes, engine = self._side_by_side(
-                        client, raw, tokens, moved, count
+                self.room(client, 1)  # the engines' connection, opened once
+                for size in sizes_kib:
+                    tokens = size * KIB // layout.page_bytes
+                    first = self.room(client, tokens)
+                    moved, count = int(first["bytes_written"]), int(first["engine_writes"])
+                    samples = interleaved(
+                        {
+                            "kvroom": lambda tokens=tokens: self.room(client, tokens),
+                            "raw": lambda m=moved, c=count: raw.write(m, c),
+                            "raw_polled": lambda m=moved, c=count: raw.write(m, c, polled=True),
+                        },
+                        self.runs,
                     )
-                    kv, rw, rp = (statistics.median(v) for v in (ours, blocking, polled))
+                    ours = [t["request_to_success_s"] for t in samples["kvroom"]]
                     rows.append(
                         {
-                            "kv_mib": size,
-                            "moved_mib": moved / MIB,
-                            "page_size": page_size,
-                            "page_kib": layout.page_bytes // 1024,
-                            "scattered": scatter,
-                            "engine_writes": statistics.median(writes),
-                            "kvroom_s": kv,
-                            "raw_s": rw,
-                            "raw_polled_s": rp,
-                            # The prefill's own engine call, inside the room's time.
-                            "kvroom_engine_s": statistics.median(engine),
-                            "kvroom_gbps": moved / kv / 1e9,
-                            "raw_gbps": moved / rw / 1e9,
-                            "raw_polled_gbps": moved / rp / 1e9,
-                            "ratio": rw / kv,
-                            "ratio_polled": rp / kv,
-                            # What kvroom adds to the same writes waited for the same way,
-                            # from runs side by side.
-                            "added_ms": statistics.median(o - t for o, t in zip(ours, polled, strict=True))
-                            * 1000,
+                            "kv_kib": size,
+                            "moved_kib": moved // KIB,
+                            "engine_writes": count,
+                            "kvroom_ms": ms(statistics.median(ours)),
+                            "raw_ms": ms(statistics.median(samples["raw"])),
+                            "raw_polled_ms": ms(statistics.median(samples["raw_polled"])),
+                            "added_ms": ms(paired_median(ours, samples["raw_polled"])),
+                            # kvroom's bytes/s over raw polled's, neighbour by neighbour
+                            "speed_vs_polled": statistics.median(
+                                p / o for p, o in zip(samples["raw_polled"], ours, strict=True)
+                            ),
+                            "stages_ms": stages_ms(samples["kvroom"]),
                         }
                     )
         finally:
-            stack.stop()
+            raw.close()
         return rows
 
-    def _side_by_side(
-        self, client: httpx.Client, raw: RawPair, tokens: int, moved: int, count: int
-    ) -> tuple[list[float], list[float], list[float], list[int], list[float]]:
-        """Per run: seconds of a kvroom room, a raw blocking write and a raw polled write;
-        the room's engine writes and engine seconds."""
-        ours: list[float] = []
-        blocking: list[float] = []
-        polled: list[float] = []
-        writes: list[int] = []
-        engine: list[float] = []
+    # -- what CURVE and verified KV cost ---------------------------------------------------
 
-        def kvroom() -> None:
-            timings = self.room(client, tokens)["timings"]
-            ours.append(timings["request_to_success_s"])
-            writes.append(int(timings["engine_writes"]))
-            engine.append(timings["transfer_s"])
-
-        sides = [
-            kvroom,
-            lambda: blocking.append(raw.write(moved, count)),
-            lambda: polled.append(raw.write(moved, count, polled=True)),
+    def options(self, size_kib: int) -> list[dict[str, Any]]:
+        """One size of room on three stacks side by side: the default (CURVE, no digests),
+        plain ZMQ, and verified KV; each against the default, neighbour by neighbour."""
+        layout = layout_of(BIG)
+        tokens = size_kib * KIB // layout.page_bytes
+        pool = size_kib * KIB + 8 * layout.page_bytes
+        args = node_args(BIG, pool)
+        variants = {
+            "CURVE, KV not verified (the default)": self.stack("opt-default", args, args),
+            "plain ZMQ": self.stack("opt-plain", args, args, secure=False),
+            "CURVE and --verify-kv": self.stack("opt-verify", args, args, verify_kv=True),
+        }
+        clients = {name: s.client() for name, s in variants.items()}
+        try:
+            for client in clients.values():
+                self.room(client, tokens)
+            samples = interleaved(
+                {
+                    name: lambda c=c: self.room(c, tokens)["request_to_success_s"]
+                    for name, c in clients.items()
+                },
+                self.runs,
+            )
+        finally:
+            for client in clients.values():
+                client.close()
+        base = samples[next(iter(variants))]
+        return [
+            {
+                "variant": name,
+                "kv_kib": size_kib,
+                "kvroom_ms": ms(statistics.median(values)),
+                "vs_default_ms": ms(paired_median(values, base)),
+            }
+            for name, values in samples.items()
         ]
-        for run in range(self.runs):
-            for side in sides if run % 2 == 0 else sides[::-1]:
-                side()
-        return ours, blocking, polled, writes, engine
+
+    # -- tensor parallelism ----------------------------------------------------------------
+
+    def tensor_parallel(self, size_kib: int, shapes: list[tuple[int, int, str]]) -> list[dict[str, Any]]:
+        """Rooms between nodes of (prefill TP, decode TP) ranks, the decode's ranks agreeing
+        over ``agreement``, all stacks up at once and taking turns."""
+        layout = layout_of(BIG)
+        tokens = size_kib * KIB // layout.page_bytes
+        pool = size_kib * KIB + 8 * layout.page_bytes
+        stacks = {}
+        for np_, nd, agreement in shapes:
+            stacks[(np_, nd, agreement)] = self.stack(
+                f"tp-{np_}-{nd}-{agreement}",
+                node_args(BIG, pool, "--tp-size", str(np_), "--agreement", agreement),
+                node_args(BIG, pool, "--tp-size", str(nd), "--agreement", agreement),
+            )
+        clients = {shape: s.client() for shape, s in stacks.items()}
+        try:
+            firsts = {shape: self.room(c, tokens) for shape, c in clients.items()}
+            samples = interleaved(
+                {str(shape): lambda c=c: self.room(c, tokens) for shape, c in clients.items()}, self.runs
+            )
+        finally:
+            for client in clients.values():
+                client.close()
+        return [
+            {
+                "prefill_tp": shape[0],
+                "decode_tp": shape[1],
+                "agreement": shape[2],
+                "kv_kib": size_kib,
+                # Every write of a room, all prefill ranks together, as the bootstrap merged them.
+                "engine_writes": int(firsts[shape]["engine_writes"]),
+                "kvroom_ms": ms(statistics.median(t["request_to_success_s"] for t in samples[str(shape)])),
+            }
+            for shape in stacks
+        ]
+
+    # -- control plane and memory --------------------------------------------------------
 
     def control_plane(
-        self, levels: list[int], rooms_per_level: int, blocks: int, block_rooms: int
-    ) -> tuple[list[dict[str, Any]], dict, list[dict[str, Any]]]:
-        """Rooms per second through POST /rooms with 64 KiB of KV, and resident memory.
-
-        Then ``blocks`` blocks of ``block_rooms`` rooms at the highest level, one
-        after another: whether a room costs more once many rooms were served.
-        """
-        stack, p, d = self.stack("control", node_args(SMALL, 16, 64 * MIB), node_args(SMALL, 16, 64 * MIB))
-        pids = {"bootstrap": stack.bootstrap, "prefill": p, "decode": d}
-        memory: dict[str, dict[str, float]] = {
-            n: {"idle_mib": rss_mib(s.proc.pid), "peak_mib": 0.0} for n, s in pids.items() if s.proc
-        }
+        self, levels: list[int], rooms_per_level: int, curve_blocks: int, blocks: int, block_rooms: int
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
+        """Rooms through POST /rooms with 64 KiB of KV at each in-flight level; then CURVE on
+        and off at the highest, block by block in turn; then ``blocks`` blocks of
+        ``block_rooms`` rooms one after another, with each service's resident memory."""
+        secure = self.stack("control", node_args(SMALL, 64 * MIB), node_args(SMALL, 64 * MIB))
+        plain = self.stack(
+            "control-plain", node_args(SMALL, 64 * MIB), node_args(SMALL, 64 * MIB), secure=False
+        )
         rows = []
+        for in_flight in levels:
+            count = rooms_per_level if in_flight > 1 else max(8, rooms_per_level // 8)
+            rows.append(
+                {"in_flight": in_flight, **asyncio.run(drive(secure.bootstrap.url, in_flight, count))}
+            )
+        curve: dict[str, list[dict[str, Any]]] = {"CURVE": [], "plain ZMQ": []}
+        for block in range(2 * curve_blocks):
+            name, stack = (("CURVE", secure), ("plain ZMQ", plain))[block % 2]
+            curve[name].append(asyncio.run(drive(stack.bootstrap.url, max(levels), rooms_per_level)))
+        curve_rows = [
+            {
+                "zmq": name,
+                "in_flight": max(levels),
+                "rooms_per_s": statistics.median(b["rooms_per_s"] for b in got),
+                "p50_ms": statistics.median(b["p50_ms"] for b in got),
+                "aux_p99_ms": statistics.median(b["aux_p99_ms"] for b in got),
+            }
+            for name, got in curve.items()
+        ]
+        services = dict(zip(("bootstrap", "prefill", "decode"), secure.services, strict=True))
+        sustained = []
+        served = sum(r["rooms"] for r in rows) + curve_blocks * rooms_per_level
+        for _ in range(blocks):
+            got = asyncio.run(drive(secure.bootstrap.url, max(levels), block_rooms))
+            sustained.append(
+                {"served_before": served, **got, "rss_mib": {n: service_rss(s) for n, s in services.items()}}
+            )
+            served += block_rooms
+        return rows, curve_rows, sustained
+
+    # -- a Hugging Face model: time to first token ------------------------------------------
+
+    def model(self, levels: list[tuple[int, int]], max_tokens: int) -> list[dict[str, Any]]:
+        """A tiny Llama through /v1/completions with ``stream``: time to the first token,
+        ``(concurrency, requests)`` per level."""
+        from shared.tiny_model import write_tiny_model
+
+        path = str(write_tiny_model("llama", self.workdir / "tiny-llama"))
+        args = ["--model", path, "--log-level", "WARNING"]
+        stack = self.stack("model", args, args, bootstrap=["--model", path])
+        rows = []
+        for concurrency, requests in levels:
+            ttft, total = asyncio.run(
+                stream_completions(stack.bootstrap.url, concurrency, requests, max_tokens)
+            )
+            rows.append(
+                {
+                    "model": "tiny-llama",
+                    "concurrency": concurrency,
+                    "requests": requests,
+                    "max_tokens": max_tokens,
+                    "ttft_p50_ms": ms(percentile(ttft, 0.5)),
+                    "ttft_p99_ms": ms(percentile(ttft, 0.99)),
+                    "total_p50_ms": ms(percentile(total, 0.5)),
+                }
+            )
+        return rows
+
+
+async def drive(url: str, in_flight: int, count: int) -> dict[str, Any]:
+    """``count`` rooms through POST /rooms, ``in_flight`` at a time."""
+    latencies: list[float] = []
+    to_success: list[float] = []
+    aux: list[float] = []
+    todo = iter(range(count))
+
+    async def worker() -> None:
+        conn = await Connection.open(url)
         try:
-            for in_flight in levels:
-                sampling = threading.Event()
-
-                def sample(level: int = in_flight, stop: threading.Event = sampling) -> None:
-                    while not stop.is_set():
-                        for n, s in pids.items():
-                            if s.proc and level == max(levels):
-                                memory[n]["peak_mib"] = max(memory[n]["peak_mib"], rss_mib(s.proc.pid))
-                        time.sleep(0.05)
-
-                sampler = threading.Thread(target=sample, daemon=True)
-                sampler.start()
-                count = rooms_per_level if in_flight > 1 else max(8, rooms_per_level // 8)
-                seconds, latencies = asyncio.run(self._drive(stack.bootstrap.url, in_flight, count))
-                sampling.set()
-                sampler.join()
-                rows.append({"in_flight": in_flight, **latency_row(count, seconds, latencies)})
-            sustained = []
-            served = sum(r["rooms"] for r in rows)
-            for _ in range(blocks):
-                seconds, latencies = asyncio.run(
-                    self._drive(stack.bootstrap.url, max(levels), block_rooms, record_aux=False)
+            for _ in todo:
+                started = time.perf_counter()
+                status, body = await conn.request(
+                    "POST", "/rooms?wait=30", {"input_ids": [66] * 64, "max_new_tokens": 1}
                 )
-                sustained.append(
-                    {
-                        "served_before": served,
-                        **latency_row(block_rooms, seconds, latencies),
-                        "rss_mib": {n: rss_mib(s.proc.pid) for n, s in pids.items() if s.proc},
-                    }
-                )
-                served += block_rooms
+                if status != 201:
+                    raise RuntimeError(f"POST /rooms answered {status}: {body}")
+                while not body["finished"]:
+                    _, body = await conn.request("GET", f"/rooms/{body['room']}?wait=30")
+                latencies.append(time.perf_counter() - started)
+                if body["state"] != "SUCCESS":
+                    raise RuntimeError(f"room {body['room']} ended {body['state']}: {body['reason']}")
+                to_success.append(body["timings"]["request_to_success_s"])
+                aux.append(body["timings"]["aux_latency_s"])
         finally:
-            stack.stop()
-        return rows, memory, sustained
+            await conn.close()
 
-    async def _drive(
-        self, url: str, in_flight: int, count: int, record_aux: bool = True
-    ) -> tuple[float, list[float]]:
-        """``count`` rooms through POST /rooms, ``in_flight`` at a time; wall seconds and latencies."""
-        latencies: list[float] = []
-        todo = iter(range(count))
+    started = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(in_flight)))
+    seconds = time.perf_counter() - started
+    return {
+        "rooms": count,
+        "rooms_per_s": count / seconds,
+        "p50_ms": ms(percentile(latencies, 0.5)),
+        "p99_ms": ms(percentile(latencies, 0.99)),
+        "send_to_success_p50_ms": ms(percentile(to_success, 0.5)),
+        "aux_p50_ms": ms(percentile(aux, 0.5)),
+        "aux_p99_ms": ms(percentile(aux, 0.99)),
+    }
+
+
+async def stream_completions(
+    url: str, concurrency: int, requests: int, max_tokens: int
+) -> tuple[list[float], list[float]]:
+    """Seconds to the first streamed token, and to the last, of each request."""
+    first: list[float] = []
+    total: list[float] = []
+    todo = iter(range(requests))
+    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
 
         async def worker() -> None:
-            conn = await Connection.open(url)
-            try:
-                for _ in todo:
-                    started = time.perf_counter()
-                    status, room = await conn.request(
-                        "POST", "/rooms", {"input_ids": [66] * 64, "max_new_tokens": 1}
-                    )
-                    if status != 201:
-                        raise RuntimeError(f"POST /rooms answered {status}: {room}")
-                    body = room
-                    while not body["finished"]:
-                        _, body = await conn.request("GET", f"/rooms/{room['room']}?wait=30")
-                    latencies.append(time.perf_counter() - started)
-                    if body["state"] != "SUCCESS":
-                        raise RuntimeError(f"room {room['room']} ended {body['state']}: {body['reason']}")
-                    if record_aux:
-                        self.aux_latencies.setdefault(str(in_flight), []).append(
-                            body["timings"]["aux_latency_s"]
-                        )
-            finally:
-                await conn.close()
+            for i in todo:
+                body = {
+                    "model": "tiny-llama",
+                    "prompt": f"request {i} of the benchmark",
+                    "max_tokens": max_tokens,
+                }
+                started = time.perf_counter()
+                seen = None
+                async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as resp:
+                    resp.raise_for_status()
+                    async for line in resp.aiter_lines():
+                        if (
+                            seen is None
+                            and line.startswith("data: {")
+                            and json.loads(line[6:])["choices"][0]["text"]
+                        ):
+                            seen = time.perf_counter() - started
+                if seen is None:
+                    raise RuntimeError(f"request {i}: no token was streamed")
+                first.append(seen)
+                total.append(time.perf_counter() - started)
 
-        started = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(in_flight)))
-        return time.perf_counter() - started, latencies
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return first, total
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
     parser.add_argument(
-        "--quick", action="store_true", help="tiny sizes, one run: checks the benchmark works"
+        "--quick",
+        action="store_true",
+        help="small sizes and few runs: checks the benchmark works; prints no ratio",
     )
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)
-    sizes = [1] if args.quick else [1, 4, 16, 64, 256]
-    page_sizes = [16] if args.quick else [1, 4, 16, 64]
+    quick = args.quick
     started = time.time()
     freeze_startup_heap()  # the client's own collector pauses would count as room latency
     with tempfile.TemporaryDirectory(prefix="kvroom-bench-") as tmp:
-        bench = Bench(args.quick, Path(tmp))
-        # Rooms move whole pages: room for the largest size plus one of the largest pages.
-        raw = RawPair(max(sizes) * MIB + layout_of(BIG, max(page_sizes)).page_bytes)
+        bench = Bench(quick, Path(tmp))
         try:
-            print("transfer efficiency", flush=True)
-            transfer = bench.transfer(sizes, 16, raw)
-            print("page-size sweep", flush=True)
-            sweep = [
-                row for ps in page_sizes for row in bench.transfer([16 if not args.quick else 1], ps, raw)
-            ]
-            print("scattered versus contiguous pages", flush=True)
-            scatter_size = [1 if args.quick else 16]
-            scatter = bench.transfer(scatter_size, 1, raw) + bench.transfer(
-                scatter_size, 1, raw, scatter=True
+            print("transfer against the raw engine", flush=True)
+            transfer = bench.transfer([256, 1024] if quick else [256, 1024, 16 * 1024, 64 * 1024])
+            print("CURVE and verified KV", flush=True)
+            options = bench.options(256)
+            bench.close()
+            print("tensor parallelism", flush=True)
+            tp_shapes = [(1, 1, "ipc"), (2, 2, "ipc")]
+            if not quick:
+                tp_shapes += [(2, 4, "ipc"), (2, 4, "gloo")]
+            tensor_parallel = bench.tensor_parallel(1024, tp_shapes)
+            bench.close()
+            print("control plane", flush=True)
+            control, curve, sustained = (
+                bench.control_plane([1, 8], 16, curve_blocks=1, blocks=2, block_rooms=16)
+                if quick
+                else bench.control_plane([1, 8, 64], 512, curve_blocks=3, blocks=11, block_rooms=1024)
             )
+            bench.close()
+            print("a Hugging Face model", flush=True)
+            model = bench.model([(1, 4), (4, 8)] if quick else [(1, 16), (16, 64)], max_tokens=8)
         finally:
-            raw.close()
-        print("control plane", flush=True)
-        control, memory, sustained = (
-            bench.control_plane([1, 8], 16, blocks=2, block_rooms=16)
-            if args.quick
-            else bench.control_plane([1, 8, 64], 512, blocks=12, block_rooms=1024)
-        )
+            bench.close()
     results = {
         "machine": {
-            "cpus": len(__import__("os").sched_getaffinity(0)),
+            "cpus": len(os.sched_getaffinity(0)),
             "platform": platform.platform(),
             "python": platform.python_version(),
             "transport": "tcp (loopback)",
         },
-        "quick": args.quick,
+        "date": time.strftime("%Y-%m-%d", time.gmtime(started)),
+        "quick": quick,
         "runs": bench.runs,
         "seconds": round(time.time() - started, 1),
         "transfer": transfer,
-        "page_sweep": sweep,
-        "scatter": scatter,
+        "options": options,
+        "tensor_parallel": tensor_parallel,
         "control_plane": control,
+        "curve_control_plane": curve,
         "sustained": sustained,
-        "aux_latency_ms": [
-            {
-                "in_flight": int(level),
-                "samples": len(values),
-                "p50": percentile(values, 0.5) * 1000,
-                "p99": percentile(values, 0.99) * 1000,
-            }
-            for level, values in sorted(bench.aux_latencies.items(), key=lambda kv: int(kv[0]))
-        ],
-        "memory": memory,
+        "model": model,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(results, indent=2))

@@ -1,4 +1,4 @@
-"""The benchmark's markdown table and plot."""
+"""The benchmark's markdown report and plot, from its results.json."""
 
 from pathlib import Path
 from typing import Any
@@ -15,110 +15,118 @@ def _table(headers: list[str], rows: list[list[Any]]) -> str:
     return "\n".join(lines)
 
 
+def _size(kib: int) -> str:
+    return f"{kib // 1024} MiB" if kib >= 1024 else f"{kib} KiB"
+
+
 def write_report(results: dict[str, Any], out: Path) -> None:
-    m = results["machine"]
+    m, quick = results["machine"], results["quick"]
+    compare = not quick  # a few quick runs give no ratio worth printing
     parts = [
-        f"Machine: {m['cpus']} CPUs, {m['platform']}, Python {m['python']}, {m['transport']}; "
-        f"median of {results['runs']} runs, kvroom and the raw engine interleaved.\n"
+        f"Host: {m['cpus']} CPUs, {m['platform']}, Python {m['python']}, {m['transport']}; "
+        f"{results['date']}; {results['runs']} interleaved runs per point, medians."
+        + (" Quick run: too few runs for ratios or differences, so none is printed." if quick else "")
+        + "\n",
+        "**Transfer** (a room from the decode's transfer request to SUCCESS, against the raw engine "
+        "writing the same bytes in the same writes, blocking, and submitted and polled as the nodes "
+        'wait over TCP; "added" and "speed" are taken neighbour by neighbour within a run)\n',
     ]
+    headers = ["KV per room", "writes", "raw ms", "raw polled ms", "kvroom ms"]
+    if compare:
+        headers += ["kvroom - raw polled", "kvroom bytes/s ÷ raw polled"]
+    rows = []
+    for r in results["transfer"]:
+        row = [_size(r["kv_kib"]), r["engine_writes"], f"{r['raw_ms']:.2f}", f"{r['raw_polled_ms']:.2f}"]
+        row.append(f"{r['kvroom_ms']:.2f}")
+        if compare:
+            row += [f"{r['added_ms']:+.2f} ms", f"{r['speed_vs_polled']:.2f}"]
+        rows.append(row)
+    parts.append(_table(headers, rows))
     parts.append(
-        "**Transfer efficiency** (decode's transfer request to SUCCESS, against the raw engine "
-        "writing the same bytes in the same writes, with its blocking batch call (raw) and "
-        "submitted and polled the way the nodes wait over TCP (raw polled); rooms move whole "
-        "pages, so a room smaller than a page moves the page; GB/s counts the bytes moved; "
-        "kvroom adds: beyond raw polled)\n"
+        "\n**Where a room's time goes** (medians of each stage, by the nodes' clocks: the request "
+        "from the decode until the prefill takes it; until its transfer thread starts the write; "
+        "the engine write; from the write's completion, through done+aux, to SUCCESS)\n"
+    )
+    stage_names = ["request hop", "hand-off", "engine write", "done+aux → SUCCESS"]
+    parts.append(
+        _table(
+            ["KV per room", *[f"{n} ms" for n in stage_names]],
+            [
+                [_size(r["kv_kib"]), *[f"{v:.3f}" for v in r["stages_ms"].values()]]
+                for r in results["transfer"]
+            ],
+        )
+    )
+    parts.append("\n**What CURVE and verified KV cost** (three stacks side by side, rooms in turn)\n")
+    headers = ["KV per room", "variant", "kvroom ms"] + (["against the default"] if compare else [])
+    parts.append(
+        _table(
+            headers,
+            [
+                [_size(r["kv_kib"]), r["variant"], f"{r['kvroom_ms']:.2f}"]
+                + ([f"{r['vs_default_ms']:+.2f} ms"] if compare else [])
+                for r in results["options"]
+            ],
+        )
+    )
+    parts.append(
+        "\n**Tensor parallelism** (request to SUCCESS on every decode rank; the stacks up side by side, "
+        "rooms in turn; writes: those of prefill rank 0)\n"
     )
     parts.append(
         _table(
-            [
-                "KV per room",
-                "page",
-                "moved",
-                "writes",
-                "kvroom GB/s",
-                "raw GB/s",
-                "kvroom / raw",
-                "raw polled GB/s",
-                "kvroom / raw polled",
-                "kvroom adds",
-            ],
+            ["KV per room", "prefill TP", "decode TP", "ranks agree over", "writes", "kvroom ms"],
             [
                 [
-                    f"{r['kv_mib']} MiB",
-                    f"{r['page_kib']} KiB",
-                    f"{r['moved_mib']:g} MiB",
+                    _size(r["kv_kib"]),
+                    r["prefill_tp"],
+                    r["decode_tp"],
+                    r["agreement"],
                     r["engine_writes"],
-                    f"{r['kvroom_gbps']:.2f}",
-                    f"{r['raw_gbps']:.2f}",
-                    f"{r['ratio']:.3f}",
-                    f"{r['raw_polled_gbps']:.2f}",
-                    f"{r['ratio_polled']:.3f}",
-                    f"{r['added_ms']:.2f} ms",
+                    f"{r['kvroom_ms']:.2f}",
                 ]
-                for r in results["transfer"] + results["page_sweep"]
+                for r in results["tensor_parallel"]
             ],
         )
     )
-    parts.append("\n**Scattered versus contiguous destination pages**\n")
+    parts.append(
+        "\n**Control plane** (POST /rooms?wait= until finished, 64 KiB of KV a room; "
+        "aux: the prefill's write completion to SUCCESS)\n"
+    )
+    headers = ["in flight", "rooms", "rooms/s", "p50 ms", "p99 ms", "request→SUCCESS p50 ms"]
+    headers += ["p50 ÷ request→SUCCESS p50"] if compare else []
+    headers += ["aux p50 ms", "aux p99 ms"]
+    rows = []
+    for r in results["control_plane"]:
+        row = [r["in_flight"], r["rooms"], f"{r['rooms_per_s']:.0f}", f"{r['p50_ms']:.1f}"]
+        row += [f"{r['p99_ms']:.1f}", f"{r['send_to_success_p50_ms']:.2f}"]
+        row += [f"{r['p50_ms'] / r['send_to_success_p50_ms']:.1f}"] if compare else []
+        row += [f"{r['aux_p50_ms']:.2f}", f"{r['aux_p99_ms']:.2f}"]
+        rows.append(row)
+    parts.append(_table(headers, rows))
+    parts.append("\n**CURVE under load** (blocks with CURVE and with plain ZMQ in turn, medians of blocks)\n")
     parts.append(
         _table(
-            [
-                "KV per room",
-                "page",
-                "decode pages",
-                "engine writes",
-                "kvroom GB/s",
-                "raw GB/s (same writes)",
-                "raw polled GB/s",
-            ],
+            ["ZMQ", "in flight", "rooms/s", "p50 ms", "aux p99 ms"],
             [
                 [
-                    f"{r['kv_mib']} MiB",
-                    f"{r['page_kib']} KiB",
-                    "scattered" if r["scattered"] else "contiguous",
-                    r["engine_writes"],
-                    f"{r['kvroom_gbps']:.2f}",
-                    f"{r['raw_gbps']:.2f}",
-                    f"{r['raw_polled_gbps']:.2f}",
-                ]
-                for r in results["scatter"]
-            ],
-        )
-    )
-    parts.append("\n**Aux latency** (prefill's KV-write completion to SUCCESS on decode)\n")
-    parts.append(
-        _table(
-            ["rooms in flight", "rooms", "p50 ms", "p99 ms"],
-            [
-                [a["in_flight"], a["samples"], f"{a['p50']:.3f}", f"{a['p99']:.3f}"]
-                for a in results["aux_latency_ms"]
-            ],
-        )
-    )
-    parts.append("")
-    parts.append("**Control plane** (POST /rooms to finished, 64 KiB of KV a room)\n")
-    parts.append(
-        _table(
-            ["in flight", "rooms", "rooms/s", "p50 ms", "p99 ms"],
-            [
-                [
+                    r["zmq"],
                     r["in_flight"],
-                    r["rooms"],
                     f"{r['rooms_per_s']:.0f}",
                     f"{r['p50_ms']:.1f}",
-                    f"{r['p99_ms']:.1f}",
+                    f"{r['aux_p99_ms']:.2f}",
                 ]
-                for r in results["control_plane"]
+                for r in results["curve_control_plane"]
             ],
         )
     )
     blocks = results["sustained"]
-    parts.append(
-        f"\n**Cost per room as rooms pile up** ({max(r['in_flight'] for r in results['control_plane'])} "
-        f"in flight, blocks of {blocks[0]['rooms']} rooms one after another; the bootstrap remembers "
-        "the last 10,000 finished rooms and the nodes the last 4,096)\n"
-    )
     services = list(blocks[0]["rss_mib"])
+    parts.append(
+        f"\n**Rooms piling up** (blocks of {blocks[0]['rooms']} rooms one after another at "
+        f"{max(r['in_flight'] for r in results['control_plane'])} in flight; resident memory of each "
+        "service after its block, ranks included)\n"
+    )
     parts.append(
         _table(
             ["rooms served before", "rooms/s", "p50 ms", "p99 ms", *[f"{n} MiB" for n in services]],
@@ -134,23 +142,48 @@ def write_report(results: dict[str, Any], out: Path) -> None:
             ],
         )
     )
-    parts.append("\n**Resident memory** (MiB)\n")
+    grown = (
+        blocks[-1]["served_before"] + blocks[-1]["rooms"] - blocks[0]["served_before"] - blocks[0]["rooms"]
+    )
+    growth = ", ".join(f"{n} {blocks[-1]['rss_mib'][n] - blocks[0]['rss_mib'][n]:+.1f} MiB" for n in services)
+    parts.append(f"\nGrowth over the {grown} rooms after the first block: {growth}.\n")
+    parts.append(
+        "**A Hugging Face model** (a tiny random-initialised Llama on CPU through "
+        "/v1/completions with `stream`; time to the first streamed token)\n"
+    )
     parts.append(
         _table(
-            ["service", "idle", f"peak at {max(r['in_flight'] for r in results['control_plane'])} in flight"],
-            [[n, f"{v['idle_mib']:.0f}", f"{v['peak_mib']:.0f}"] for n, v in results["memory"].items()],
+            ["model", "concurrent", "requests", "max tokens", "TTFT p50 ms", "TTFT p99 ms", "whole p50 ms"],
+            [
+                [
+                    r["model"],
+                    r["concurrency"],
+                    r["requests"],
+                    r["max_tokens"],
+                    f"{r['ttft_p50_ms']:.1f}",
+                    f"{r['ttft_p99_ms']:.1f}",
+                    f"{r['total_p50_ms']:.1f}",
+                ]
+                for r in results["model"]
+            ],
         )
     )
     (out / "results.md").write_text("\n".join(parts) + "\n")
+    _plot(results, out / "gbps.png")
 
-    rows = results["transfer"]
+
+def _plot(results: dict[str, Any], path: Path) -> None:
+    rows, m = results["transfer"], results["machine"]
+    sizes = [r["kv_kib"] for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
-    sizes = [r["kv_mib"] for r in rows]
-    ax.plot(sizes, [r["kvroom_gbps"] for r in rows], "o-", label="kvroom (request to SUCCESS)")
-    ax.plot(sizes, [r["raw_gbps"] for r in rows], "s--", label="raw engine (batch_transfer_sync_write)")
-    ax.plot(sizes, [r["raw_polled_gbps"] for r in rows], "^-.", label="raw engine, submitted and polled")
+    for key, style, label in (
+        ("kvroom_ms", "o-", "kvroom (request to SUCCESS)"),
+        ("raw_ms", "s--", "raw engine, blocking"),
+        ("raw_polled_ms", "^-.", "raw engine, submitted and polled"),
+    ):
+        ax.plot(sizes, [r["moved_kib"] * 1024 / (r[key] / 1000) / 1e9 for r in rows], style, label=label)
     ax.set_xscale("log", base=2)
-    ax.set_xticks(sizes, [f"{s} MiB" for s in sizes])
+    ax.set_xticks(sizes, [_size(s) for s in sizes])
     ax.set_xlabel("KV per room")
     ax.set_ylabel("GB/s")
     ax.set_ylim(bottom=0)
@@ -158,5 +191,5 @@ def write_report(results: dict[str, Any], out: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out / "gbps.png")
+    fig.savefig(path)
     plt.close(fig)

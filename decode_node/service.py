@@ -162,6 +162,7 @@ class DecodeService(RankService):
             return
         kv_pages = job.pages[: self.layout.pages_for(msg.prompt_len)]
         job.requested_at = time.perf_counter()
+        job.timings["requested_at"] = time.time()
         for prefill_rank, slot in job.slots.items():
             request = protocol.TransferRequest(
                 room=job.id,
@@ -340,6 +341,7 @@ class DecodeService(RankService):
 
     def _succeeded(self, job: DecodeJob) -> None:
         job.timings["request_to_success_s"] = time.perf_counter() - job.requested_at
+        job.timings["success_at"] = time.time()
         done_at = max(job.completed_at.values(), default=time.time())
         aux_latency = max(0.0, time.time() - done_at)
         job.timings["aux_latency_s"] = aux_latency

@@ -211,6 +211,7 @@ class PrefillService(RankService):
         assert isinstance(job, PrefillJob)
         self._validate_request(job, req, sender)
         job.requests[req.decode_rank] = req
+        job.timings.setdefault("request_received_at", time.time())
         if job.computed and not job.local.terminal:
             self._start_transfer(job, req.decode_rank)
         # After the write is handed over: the accept may follow the start notice,
@@ -331,6 +332,9 @@ class PrefillService(RankService):
             job.written.add(task.decode_rank)
             job.timings["transfer_s"] = job.timings.get("transfer_s", 0.0) + outcome.seconds
             job.timings["bytes_written"] = job.timings.get("bytes_written", 0) + outcome.written
+            # Wall-clock stages of the first write (one host's clock: the benchmark's breakdown).
+            job.timings.setdefault("write_started_at", outcome.started_at)
+            job.timings.setdefault("write_done_at", outcome.done_at)
             self.metrics.transfer_bytes.inc(outcome.written)
             self.metrics.transfer_seconds.observe(outcome.seconds)
             if job.written == set(job.targets):

@@ -63,6 +63,8 @@ class TransferOutcome:
     task: TransferTask
     written: int = 0
     seconds: float = 0.0
+    started_at: float = 0.0  # wall clock, for the benchmark's stages
+    done_at: float = 0.0
     error: str | None = None
     sent: bool = False  # done+aux queued to the decode
     cancelled: bool = False
@@ -134,14 +136,15 @@ class TransferWorker:
             if task.digests is not None:
                 d = task.digests
                 digests = kv_digest.page_digests(d.pool, d.pages, d.offset, d.length)
-            started = time.perf_counter()
+            outcome.started_at, started = time.time(), time.perf_counter()
             outcome.written = self._engine.write(task.peer.session_id, task.writes, self._write_timeout_s)
             outcome.seconds = time.perf_counter() - started
             if task.room in self._cancelled:
                 outcome.cancelled = True
                 return outcome
+            outcome.done_at = time.time()
             done = msgspec.structs.replace(
-                task.done, bytes_written=outcome.written, completed_at=time.time(), digests=digests
+                task.done, bytes_written=outcome.written, completed_at=outcome.done_at, digests=digests
             )
             frames = protocol.encode(done, task.aux)
             outcome.sent = self._push.send(task.peer.zmq_endpoint, task.peer.public_key, frames)
