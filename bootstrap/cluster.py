@@ -412,7 +412,9 @@ class Cluster:
                 await self._abort_on(node_id, ended.transfer, reason, peer_gone=dead_node is not None)
         await self._release(room, ended)
         if retry:
-            self._spawn(self._place_again(room, reason, {n for n in (dead_node,) if n}))
+            # Other nodes than the failed attempt's when there are any: a node that just failed a
+            # room may be breaking, before its heartbeat says so.
+            self._spawn(self._place_again(room, reason, {n for n in (ended.prefill, ended.decode) if n}))
         else:
             self._count_end(room)
         return True
