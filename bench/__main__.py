@@ -26,6 +26,7 @@ import httpx
 from bench.http_load import Connection
 from bench.raw import RawPair
 from bench.report import write_report
+from bootstrap.settings import BootstrapSettings
 from launcher.local_stack import LocalStack, Service
 from shared.heap import freeze_startup_heap
 from shared.kv_layout import KVLayout
@@ -464,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
             control, curve, sustained = (
                 bench.control_plane([1, 8], 16, curve_blocks=1, blocks=2, block_rooms=16)
                 if quick
-                else bench.control_plane([1, 8, 64], 512, curve_blocks=3, blocks=11, block_rooms=1024)
+                else bench.control_plane([1, 8, 64], 512, curve_blocks=3, blocks=11, block_rooms=2048)
             )
             bench.close()
             print("a Hugging Face model", flush=True)
@@ -488,6 +489,7 @@ def main(argv: list[str] | None = None) -> int:
         "control_plane": control,
         "curve_control_plane": curve,
         "sustained": sustained,
+        "room_history": BootstrapSettings.model_fields["room_history"].default,
         "model": model,
     }
     args.out.mkdir(parents=True, exist_ok=True)
