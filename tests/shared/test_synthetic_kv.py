@@ -125,3 +125,18 @@ def test_a_cuda_pool_is_stamped_as_a_cpu_pool_is():
     cpu.data.copy_(gpu.data.cpu())
     assert synthetic_kv.verify(gpu, [6, 2, 3], room=5, first_head=2, total_heads=4)
     assert synthetic_kv.verify(cpu, [6, 2, 3], room=5, first_head=2, total_heads=4)
+
+
+def test_a_room_of_many_blocks_is_stamped_as_a_few_are(monkeypatch):
+    """Past ``_WORDS_UP_TO`` blocks a CPU pool takes tensor operations; the stamps are the same."""
+    pages = list(range(40, 0, -1))
+    pools = []
+    for limit in (10**9, 4):
+        monkeypatch.setattr(synthetic_kv, "_WORDS_UP_TO", limit)
+        pool = KVPool(LAYOUT, 48)
+        synthetic_kv.fill(pool, pages, room=(1 << 53) - 1, first_head=2, total_heads=4)
+        pools.append(pool)
+    assert torch.equal(pools[0].data.view(torch.int64), pools[1].data.view(torch.int64))
+    assert synthetic_kv.verify(pools[0], pages, room=(1 << 53) - 1, first_head=2, total_heads=4)
+    monkeypatch.setattr(synthetic_kv, "_WORDS_UP_TO", 10**9)
+    assert synthetic_kv.verify(pools[1], pages, room=(1 << 53) - 1, first_head=2, total_heads=4)
