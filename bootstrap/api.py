@@ -132,6 +132,11 @@ async def room_response(cluster: Cluster, room: RoomData, status: int = 200) -> 
     )
 
 
+def unavailable(exc: StoreUnavailable) -> HTTPException:
+    """The store (Redis) is gone: nothing can be read or placed until it is back. Retry later."""
+    return HTTPException(503, f"the bootstrap's store is unavailable: {exc}", {"Retry-After": "1"})
+
+
 def check_wait(cluster: Cluster, wait: float) -> None:
     if wait > cluster.settings.max_wait_s:
         raise HTTPException(422, f"wait above {cluster.settings.max_wait_s}s")

@@ -14,6 +14,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from bootstrap import api, openai_api, status_page
 from bootstrap.cluster import Cluster
+from bootstrap.fast_rooms import FastRooms
 from bootstrap.openai_api import OpenAIError, openai_error
 from bootstrap.settings import BootstrapSettings
 from bootstrap.store import StoreUnavailable
@@ -117,9 +118,8 @@ async def http_error(request: Request, exc: Exception) -> JSONResponse:
 
 
 async def store_unavailable(request: Request, exc: Exception) -> JSONResponse:
-    """The store (Redis) is gone: nothing can be read or placed until it is back. Retry later."""
-    http = StarletteHTTPException(503, f"the bootstrap's store is unavailable: {exc}", {"Retry-After": "1"})
-    return await http_error(request, http)
+    assert isinstance(exc, StoreUnavailable)
+    return await http_error(request, api.unavailable(exc))
 
 
 def warn_if_open(settings: BootstrapSettings, join_token: str | None) -> None:
@@ -159,7 +159,8 @@ def create_app(settings: BootstrapSettings) -> FastAPI:
         lifespan=lifespan,
         telemetry=NO_OPENTELEMETRY,
     )
-    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    app.add_middleware(FastRooms)
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)  # added last: it runs first
     app.add_exception_handler(RequestValidationError, invalid_request)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(OpenAIError, openai_error)

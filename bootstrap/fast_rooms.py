@@ -1,0 +1,125 @@
+"""``POST /rooms`` and ``GET /rooms/{room}``, the routes every client calls per room, answered
+without FastAPI's routing, dependency solving and exception wrapping, which cost the bootstrap
+about as much CPU as the rest of a room put together.
+
+Only requests that the full route would accept are answered here, with the same body: anything
+else (a missing or wrong API key, a query other than ``wait``, a body that does not validate, a
+room that is not known) goes on to FastAPI unchanged, which answers with its own errors. Once a
+room is placed, errors (503 and the like) are answered here, in FastAPI's shape.
+"""
+
+import json
+from urllib.parse import parse_qsl
+
+from fastapi import HTTPException
+from pydantic import ValidationError
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from bootstrap import api
+from bootstrap.cluster import Cluster
+from bootstrap.store import StoreUnavailable
+from shared.security import bearer, secrets_match
+
+
+class FastRooms:
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            path, method = scope["path"], scope["method"]
+            if method == "POST" and path == "/rooms":
+                await self._post(scope, receive, send)
+                return
+            if method == "GET" and path.startswith("/rooms/") and path[7:].isdigit():
+                await self._get(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    @staticmethod
+    def _usable(scope: Scope) -> tuple[Cluster, float] | None:
+        """The cluster and the ``wait`` asked for, if the full route would accept both."""
+        cluster: Cluster = scope["app"].state.cluster
+        if cluster.api_key is not None:
+            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"").decode("latin-1")
+            if not secrets_match(bearer(given or None), cluster.api_key):
+                return None
+        query = parse_qsl(scope["query_string"].decode("latin-1"), keep_blank_values=True)
+        if any(key != "wait" for key, _ in query) or len(query) > 1:
+            return None
+        try:
+            wait = float(query[0][1]) if query else 0.0
+        except ValueError:
+            return None
+        if not 0 <= wait <= cluster.settings.max_wait_s:  # NaN fails too
+            return None
+        return cluster, wait
+
+    async def _post(self, scope: Scope, receive: Receive, send: Send) -> None:
+        usable = self._usable(scope)
+        if usable is None:
+            await self.app(scope, receive, send)
+            return
+        cluster, wait = usable
+        messages, body = await _read(receive)
+        try:
+            request = api.RoomRequest.model_validate_json(body)
+        except ValidationError:
+            await self.app(scope, _replay(messages, receive), send)  # FastAPI names what is wrong
+            return
+        try:
+            tokens = request.tokens(cluster)
+            room = await api.place(cluster, tokens, request.max_new_tokens, [], False)
+            response = await api.room_response(cluster, await api.wait_finished(cluster, room, wait), 201)
+        except (HTTPException, StoreUnavailable) as exc:
+            await _error(send, exc)
+            return
+        await response(scope, receive, send)
+
+    async def _get(self, scope: Scope, receive: Receive, send: Send) -> None:
+        usable = self._usable(scope)
+        digits = scope["path"][7:]
+        if usable is None or not digits.isascii() or int(digits) >= 1 << 63:
+            await self.app(scope, receive, send)
+            return
+        cluster, wait = usable
+        try:
+            found = await cluster.store.room(int(digits))
+            if found is None:
+                await self.app(scope, receive, send)  # its 404
+                return
+            response = await api.room_response(cluster, await api.wait_finished(cluster, found, wait))
+        except StoreUnavailable as exc:
+            await _error(send, exc)
+            return
+        await response(scope, receive, send)
+
+
+async def _read(receive: Receive) -> tuple[list[Message], bytes]:
+    messages = []
+    while True:
+        message = await receive()
+        messages.append(message)
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            break
+    return messages, b"".join(m.get("body", b"") for m in messages)
+
+
+def _replay(messages: list[Message], receive: Receive) -> Receive:
+    """The body already read, then whatever the server sends next."""
+    pending = list(messages)
+
+    async def replayed() -> Message:
+        return pending.pop(0) if pending else await receive()
+
+    return replayed
+
+
+async def _error(send: Send, exc: HTTPException | StoreUnavailable) -> None:
+    """As the app's handlers answer it, in FastAPI's shape."""
+    http = api.unavailable(exc) if isinstance(exc, StoreUnavailable) else exc
+    payload = json.dumps({"detail": http.detail}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+    headers += [(k.lower().encode(), v.encode()) for k, v in (http.headers or {}).items()]
+    await send({"type": "http.response.start", "status": http.status_code, "headers": headers})
+    await send({"type": "http.response.body", "body": payload})
