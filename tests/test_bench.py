@@ -38,3 +38,14 @@ def test_quick_benchmark_produces_its_report(tmp_path):
     report = (tmp_path / "results.md").read_text()
     assert "Quick run" in report and "÷" not in report  # no ratio from a few runs
     assert (tmp_path / "gbps.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # A full run's report judges the targets from the same numbers.
+    from bench.report import write_report
+
+    full = tmp_path / "full"
+    full.mkdir()
+    write_report({**results, "quick": False}, full)
+    table = (full / "results.md").read_text().split("**Targets**")[1].split("**Transfer**")[0]
+    verdicts = [line.rsplit("|", 2)[1].strip() for line in table.splitlines() if line.startswith("| ")][1:]
+    assert len(verdicts) == 6 and set(verdicts) <= {"met", "not met"}  # no RSS row: history not full
+    aux = next(line for line in table.splitlines() if "aux p99" in line)
+    assert ("not met" in aux) == (results["control_plane"][-1]["aux_p99_ms"] > 5)
