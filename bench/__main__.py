@@ -279,7 +279,7 @@ class Bench:
                 "decode_tp": shape[1],
                 "agreement": shape[2],
                 "kv_kib": size_kib,
-                # Every write of a room, all prefill ranks together, as the bootstrap merged them.
+                # The writes of prefill rank 0: the leader reports its own rank's timings.
                 "engine_writes": int(firsts[shape]["engine_writes"]),
                 "kvroom_ms": ms(statistics.median(t["request_to_success_s"] for t in samples[str(shape)])),
             }

@@ -80,6 +80,7 @@ class Cluster:
         self._tasks: set[asyncio.Future[Any]] = set()
         self._live_counts = {"prefill": 0, "decode": 0}
         self._in_flight = 0
+        self._started = time.monotonic()
         for role in ("prefill", "decode"):
             self.metrics.gauge_function(
                 f"kvroom_live_{role}_nodes",
@@ -268,6 +269,10 @@ class Cluster:
             await self._fail_rooms_of(node_id, dead=True)
 
     async def reap_dead_nodes(self) -> None:
+        if time.monotonic() - self._started < self.settings.node_ttl_s:
+            # Just started against a store that outlived us: nodes whose leases ran out while no
+            # bootstrap answered get one TTL to heartbeat before they are taken for dead.
+            return
         for node in await self.nodes():
             if not node.alive and not node.data.dead:
                 log.warning(
@@ -292,8 +297,9 @@ class Cluster:
         chosen = []
         for role, order in (("decode", lambda n: -n.free_pages), ("prefill", lambda n: n.load.rooms)):
             live = [n for n in nodes if n.role == role and n.placeable]
-            candidates = sorted((n for n in live if n.id not in exclude), key=order) or sorted(
-                live, key=order
+            # The excluded (a failed attempt's nodes) last, not never: they may be all there is room on.
+            candidates = sorted((n for n in live if n.id not in exclude), key=order) + sorted(
+                (n for n in live if n.id in exclude), key=order
             )
             for node in candidates:
                 pages = self._pages(node, tokens, max_new_tokens)
@@ -606,6 +612,7 @@ class Cluster:
                 await self._fail(room_id, FailureReason.DEADLINE, final=True)
 
     async def start(self) -> None:
+        self._started = time.monotonic()
         await self.store.start()
         with contextlib.suppress(StoreUnavailable):
             await self.nodes()

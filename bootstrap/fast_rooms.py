@@ -9,9 +9,11 @@ room is placed, errors (503 and the like) are answered here, in FastAPI's shape.
 """
 
 import json
+import re
 from urllib.parse import parse_qsl
 
 from fastapi import HTTPException
+from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -19,6 +21,8 @@ from bootstrap import api
 from bootstrap.cluster import Cluster
 from bootstrap.store import StoreUnavailable
 from shared.security import bearer, secrets_match
+
+PLAIN_NUMBER = re.compile(r"[0-9]{1,6}(\.[0-9]{1,6})?")  # what ?wait= is in practice; else FastAPI parses it
 
 
 class FastRooms:
@@ -31,7 +35,8 @@ class FastRooms:
             if method == "POST" and path == "/rooms":
                 await self._post(scope, receive, send)
                 return
-            if method == "GET" and path.startswith("/rooms/") and path[7:].isdigit():
+            digits = path[7:]
+            if method == "GET" and path.startswith("/rooms/") and digits.isascii() and digits.isdigit():
                 await self._get(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -45,26 +50,33 @@ class FastRooms:
             if not secrets_match(bearer(given or None), cluster.api_key):
                 return None
         query = parse_qsl(scope["query_string"].decode("latin-1"), keep_blank_values=True)
-        if any(key != "wait" for key, _ in query) or len(query) > 1:
+        if len(query) > 1 or any(key != "wait" or not PLAIN_NUMBER.fullmatch(v) for key, v in query):
             return None
-        try:
-            wait = float(query[0][1]) if query else 0.0
-        except ValueError:
-            return None
-        if not 0 <= wait <= cluster.settings.max_wait_s:  # NaN fails too
+        wait = float(query[0][1]) if query else 0.0
+        if wait > cluster.settings.max_wait_s:
             return None
         return cluster, wait
 
+    @staticmethod
+    def _json(scope: Scope) -> bool:
+        """Whether the body is declared JSON, as FastAPI requires before it parses one."""
+        declared = next((v for k, v in scope["headers"] if k == b"content-type"), b"").decode("latin-1")
+        kind = declared.split(";")[0].strip().lower()
+        return kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json"))
+
     async def _post(self, scope: Scope, receive: Receive, send: Send) -> None:
         usable = self._usable(scope)
-        if usable is None:
+        if usable is None or not self._json(scope):
             await self.app(scope, receive, send)
             return
         cluster, wait = usable
         messages, body = await _read(receive)
+        if messages[-1]["type"] == "http.disconnect":
+            return  # the client is gone, or the body was refused as too large: nothing to place
         try:
-            request = api.RoomRequest.model_validate_json(body)
-        except ValidationError:
+            # Parsed as FastAPI parses a body, then validated as it validates one.
+            request = api.RoomRequest.model_validate(json.loads(body))
+        except (ValueError, ValidationError):  # JSONDecodeError is a ValueError
             await self.app(scope, _replay(messages, receive), send)  # FastAPI names what is wrong
             return
         try:
@@ -72,14 +84,13 @@ class FastRooms:
             room = await api.place(cluster, tokens, request.max_new_tokens, [], False)
             response = await api.room_response(cluster, await api.wait_finished(cluster, room, wait), 201)
         except (HTTPException, StoreUnavailable) as exc:
-            await _error(send, exc)
-            return
+            response = _error(exc)
         await response(scope, receive, send)
 
     async def _get(self, scope: Scope, receive: Receive, send: Send) -> None:
         usable = self._usable(scope)
         digits = scope["path"][7:]
-        if usable is None or not digits.isascii() or int(digits) >= 1 << 63:
+        if usable is None or len(digits) > 19 or int(digits) >= 1 << 63:
             await self.app(scope, receive, send)
             return
         cluster, wait = usable
@@ -90,8 +101,7 @@ class FastRooms:
                 return
             response = await api.room_response(cluster, await api.wait_finished(cluster, found, wait))
         except StoreUnavailable as exc:
-            await _error(send, exc)
-            return
+            response = _error(exc)
         await response(scope, receive, send)
 
 
@@ -115,11 +125,7 @@ def _replay(messages: list[Message], receive: Receive) -> Receive:
     return replayed
 
 
-async def _error(send: Send, exc: HTTPException | StoreUnavailable) -> None:
-    """As the app's handlers answer it, in FastAPI's shape."""
+def _error(exc: HTTPException | StoreUnavailable) -> JSONResponse:
+    """As the app's handlers answer it."""
     http = api.unavailable(exc) if isinstance(exc, StoreUnavailable) else exc
-    payload = json.dumps({"detail": http.detail}).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
-    headers += [(k.lower().encode(), v.encode()) for k, v in (http.headers or {}).items()]
-    await send({"type": "http.response.start", "status": http.status_code, "headers": headers})
-    await send({"type": "http.response.body", "body": payload})
+    return JSONResponse({"detail": http.detail}, http.status_code, headers=http.headers)

@@ -34,6 +34,7 @@ REPORT_DELAY_S = 0.002
 PROGRESS_REPORT_DELAY_S = 0.05
 TOKEN_DELAY_S = 0.002
 MAX_RETRY_S = 30.0
+REFUSED = (401, 403, 409, 422)  # the bootstrap said no, as opposed to not answering
 
 Send = Callable[[str, str, list[bytes]], bool]  # endpoint, its CURVE key, frames
 
@@ -182,7 +183,7 @@ class Membership:
         reg = self._registration()
         resp = await client.post("/nodes", content=reg.model_dump_json(), headers=self._json)
         if resp.status_code != 201:
-            refused = resp.status_code in (401, 403, 409, 422)
+            refused = resp.status_code in REFUSED
             raise RegistrationError(f"{resp.status_code} {_detail(resp)}", refused)
         self._accept(resp.json())
         self.standing, self.problem = Standing.REGISTERED, None
@@ -210,7 +211,8 @@ class Membership:
                         self.registered.clear()
                         continue
                     if resp.status_code != 200:
-                        raise RegistrationError(f"heartbeat: {resp.status_code} {_detail(resp)}")
+                        refused = resp.status_code in REFUSED
+                        raise RegistrationError(f"heartbeat: {resp.status_code} {_detail(resp)}", refused)
                     self._accept(resp.json())
                     self.standing, self.problem = Standing.REGISTERED, None
                     retry = s.register_retry_s
@@ -220,11 +222,13 @@ class Membership:
                     self.problem = f"registration {self.standing}: {exc}"
                     if refused:
                         self.registered.clear()
-                    # else the bootstrap may be restarting with what it knew in its store: the
-                    # next heartbeat tells (404 means register again).
                     log.warning("%s; trying again in %.1fs", self.problem, retry)
                     await asyncio.sleep(retry)
-                    retry = min(MAX_RETRY_S, retry * 2)
+                    # A refusal backs off; a registered node that lost the bootstrap keeps trying
+                    # within its heartbeat interval, so that a bootstrap restarting with its store
+                    # hears from it before its lease is taken for dead (404 means register again).
+                    cap = s.heartbeat_interval_s if self.registered.is_set() else MAX_RETRY_S
+                    retry = min(cap, retry * 2)
                     continue
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._beat_now.wait(), s.heartbeat_interval_s)

@@ -39,7 +39,10 @@ async def post_all(url: str, prompts: list[str], tokens: int, in_flight: int = 3
         return list(await asyncio.gather(*(one(p) for p in prompts)))
 
 
-def test_rooms_survive_a_bootstrap_killed_and_restarted(tmp_path, redis, model):
+@pytest.mark.parametrize("outage", ["brief", "past the node leases"])
+def test_rooms_survive_a_bootstrap_killed_and_restarted(tmp_path, redis, model, outage):
+    import redis as redis_client
+
     from launcher.local_stack import LocalStack
 
     with LocalStack(tmp_path / "logs", bootstrap_args=["--store", redis.url, *FAST_BOOTSTRAP]) as stack:
@@ -51,6 +54,11 @@ def test_rooms_survive_a_bootstrap_killed_and_restarted(tmp_path, redis, model):
                 for p in prompts
             ]
             stack.bootstrap.kill()
+            if outage != "brief":  # no bootstrap renewed the nodes' leases: Redis let them expire
+                store = redis_client.Redis.from_url(redis.url)
+                leases = ("kvroom:lease:prefill-0", "kvroom:lease:decode-0")
+                wait_for(lambda: not store.exists(*leases), 15, "the leases to expire")
+                store.close()
             stack.bootstrap.start()  # same ports, same key; what it knew is in Redis
             stack.bootstrap.wait_healthy(registered=False)
             for prompt, room in zip(prompts, rooms, strict=True):
