@@ -68,7 +68,8 @@ def test_rooms_survive_a_bootstrap_killed_and_restarted(tmp_path, redis, model, 
                     assert final["output_ids"] == generate(model, encode_text(prompt), 40)
                 else:
                     assert final["reason"], final
-            assert sum(client.get(f"/rooms/{r}").json()["state"] == "SUCCESS" for r in rooms) >= 16
+            ends = [(v["state"], v["reason"]) for v in (client.get(f"/rooms/{r}").json() for r in rooms)]
+            assert sum(state == "SUCCESS" for state, _ in ends) >= 16, ends
         assert registrations(prefill) == registrations(decode) == 1  # they never had to register again
         wait_for(lambda: pools_full(prefill, decode), 15, "pools full")
 
