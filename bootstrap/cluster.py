@@ -42,8 +42,6 @@ log = logging.getLogger(__name__)
 # Between two looks for dead nodes and rooms past their deadline.
 REAP_INTERVAL_S = 0.25
 DEADLINE_INTERVAL_S = 2.0
-# The heartbeat names rooms the node has held at least this long; younger ones may not be stored yet.
-SWEEP_AGE_S = 5.0
 
 
 class NoLiveNode(Exception):

@@ -14,7 +14,7 @@ import pytest
 from shared import protocol
 from shared.model import encode_text, generate
 from tests.integration.conftest import FAST_BOOTSTRAP, FAST_NODE
-from tests.integration.helpers import metric, pools_full, wait_for
+from tests.integration.helpers import metric, node_room, pools_full, wait_for
 from tests.integration.holding_proxy import in_front_of
 
 
@@ -242,3 +242,30 @@ def test_room_ids_survive_a_float64_json_parser(stack):
             out = subprocess.run(["jq", ".room"], input=raw, capture_output=True, text=True, check=True)
             assert int(out.stdout) == room
         assert client.get(f"/rooms/{int(float(room))}").json()["state"] == "SUCCESS"
+
+
+def test_nodes_end_the_rooms_a_restarted_bootstrap_forgot(stack):
+    """The memory store forgets on restart: the nodes' sweep ends what nobody will read (orphaned)."""
+    slow = ["--bootstrap-timeout-s", "60", "--waiting-timeout-s", "60"]  # only the sweep ends the room
+    stack.bootstrap.start()
+    stack.bootstrap.wait_healthy(registered=False)
+    prefill = stack.node("prefill", "prefill-0", [*FAST_NODE, "--waiting-timeout-s", "60"])
+    # The transfer request is held: the room waits on both nodes for as long as the test likes.
+    with in_front_of(prefill, lambda m: isinstance(m, protocol.TransferRequest)) as proxy:
+        prefill.start()
+        decode = stack.node("decode", "decode-0", [*FAST_NODE, *slow]).start()
+        prefill.wait_healthy()
+        decode.wait_healthy()
+        with stack.client() as client:
+            room = client.post("/rooms", json={"prompt": "forgotten", "max_new_tokens": 4}).json()["room"]
+            wait_for(lambda: proxy.held_rooms() == {room}, 20, "the room in flight")
+            stack.bootstrap.kill()
+            stack.bootstrap.start()
+            stack.bootstrap.wait_healthy(registered=False)
+            assert client.get(f"/rooms/{room}").status_code == 404  # forgotten
+            for node in (prefill, decode):
+                wait_for(lambda node=node: node_room(node, room)["state"] == "FAILED", 30, "the sweep")
+                assert node_room(node, room)["reason"] == "orphaned"
+            wait_for(lambda: pools_full(prefill, decode), 10, "pools full")
+            assert registrations(prefill) == registrations(decode) == 2  # they had to register again
+        proxy.release()

@@ -1,0 +1,53 @@
+"""The last line of defence: a room that never ends by itself ends FAILED deadline, and both of its
+nodes hear so. The nodes here are real CURVE-serving ZMQ sockets that take rooms and never answer."""
+
+import zmq
+
+from shared import protocol
+from shared.security import CurveKeys, Security
+from tests.bootstrap.test_api import AUTH, make_client, registration
+
+
+class SilentNode:
+    """A node's leader socket: it takes every message and answers none."""
+
+    def __init__(self, context: zmq.Context):
+        self.keys = CurveKeys.generate()
+        self.sock = context.socket(zmq.PULL)
+        Security(self.keys).server(self.sock)
+        self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+
+    def registration(self, node_id: str, role: str) -> dict:
+        reg = registration(node_id, role, port=self.port)
+        reg["ranks"][0]["public_key"] = self.keys.public
+        return reg
+
+    def messages(self, until: type, timeout_ms: int = 10_000) -> list:
+        got = []
+        while not any(isinstance(m, until) for m in got):
+            assert self.sock.poll(timeout_ms), f"no {until.__name__} came; got {got}"
+            got.append(protocol.decode(self.sock.recv_multipart())[0])
+        return got
+
+
+def test_a_room_past_its_deadline_ends_failed_and_both_nodes_are_told():
+    context = zmq.Context()
+    prefill, decode = SilentNode(context), SilentNode(context)
+    try:
+        with make_client(room_deadline_s=1.0, node_ttl_s=60.0) as client:
+            for node, (node_id, role) in ((prefill, ("p0", "prefill")), (decode, ("d0", "decode"))):
+                joined = client.post("/nodes", json=node.registration(node_id, role), headers=AUTH)
+                assert joined.status_code == 201
+            room = client.post("/rooms", json={"prompt": "never ends", "max_new_tokens": 3}).json()["room"]
+            final = client.get(f"/rooms/{room}", params={"wait": 10}).json()
+            assert (final["state"], final["reason"], final["finished"]) == ("FAILED", "deadline", True)
+            assert len(final["attempts"]) == 1  # the deadline is final: no other placement
+            for node, placed in ((prefill, protocol.PrefillRoom), (decode, protocol.DecodeRoom)):
+                got = node.messages(until=protocol.AbortRoom)
+                assert [type(m) for m in got] == [placed, protocol.AbortRoom]
+                assert (got[1].room, got[1].reason) == (got[0].room, "deadline")
+            assert 'kvroom_room_failures_total{reason="deadline"} 1.0' in client.get("/metrics").text
+    finally:
+        for node in (prefill, decode):
+            node.sock.close(0)
+        context.term()
