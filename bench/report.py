@@ -92,9 +92,10 @@ def write_report(results: dict[str, Any], out: Path) -> None:
     parts.append(
         "\n**Where a room's time goes** (medians of each stage, by the nodes' clocks: the request "
         "from the decode until the prefill takes it; until its transfer thread starts the write; "
-        "the engine write; from the write's completion, through done+aux, to SUCCESS)\n"
+        "the engine write; done+aux from the write's completion until the decode takes it; from there, "
+        "through the gate and the ranks' agreement, to SUCCESS)\n"
     )
-    stage_names = ["request hop", "hand-off", "engine write", "done+aux → SUCCESS"]
+    stage_names = ["request hop", "hand-off", "engine write", "done+aux hop", "gate → SUCCESS"]
     parts.append(
         _table(
             ["KV per room", *[f"{n} ms" for n in stage_names]],
@@ -104,7 +105,7 @@ def write_report(results: dict[str, Any], out: Path) -> None:
             ],
         )
     )
-    parts.append("\n**What CURVE and verified KV cost** (three stacks side by side, rooms in turn)\n")
+    parts.append("\n**What CURVE and verified KV cost** (three stacks side by side, rooms in turn, three times the runs)\n")
     headers = ["KV per room", "variant", "kvroom ms"] + (["against the default"] if compare else [])
     parts.append(
         _table(

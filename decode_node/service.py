@@ -208,6 +208,7 @@ class DecodeService(RankService):
 
     def _on_done(self, msg: protocol.KvDone, record: memoryview | None, sender: str | None) -> None:
         job = self._job_for(msg.room, msg.rank, msg.prefill_rank, sender)
+        job.timings.setdefault("done_received_at", time.time())
         p = msg.prefill_rank
         earlier = job.landed.get(p)
         if p in job.checking or (earlier is not None and not self._needs_aux(earlier)):

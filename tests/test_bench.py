@@ -23,7 +23,7 @@ def test_quick_benchmark_produces_its_report(tmp_path):
         assert row["kvroom_ms"] > 0 and row["raw_polled_ms"] > 0 and row["engine_writes"] >= 1
         assert row["moved_kib"] == row["kv_kib"]  # one token a page: a room moves what it holds
         stages = row["stages_ms"]
-        assert set(stages) == {"request_hop", "hand_off", "engine_write", "done_to_success"}
+        assert set(stages) == {"request_hop", "hand_off", "engine_write", "done_hop", "gate_to_success"}
         assert all(v >= 0 for v in stages.values()), stages  # the nodes stamped every stage, in order
     assert {r["variant"] for r in results["options"]} == {
         "CURVE, KV not verified (the default)",
