@@ -105,7 +105,10 @@ def write_report(results: dict[str, Any], out: Path) -> None:
             ],
         )
     )
-    parts.append("\n**What CURVE and verified KV cost** (three stacks side by side, rooms in turn, three times the runs)\n")
+    parts.append(
+        "\n**What CURVE and verified KV cost** (three stacks side by side, rooms in turn, "
+        "three times the runs)\n"
+    )
     headers = ["KV per room", "variant", "kvroom ms"] + (["against the default"] if compare else [])
     parts.append(
         _table(
