@@ -123,12 +123,18 @@ class RedisStore(Store):
         raws = await self._call(self._redis.mget, [P + f"node:{i.decode()}" for i in ids])
         return [_node.decode(raw) for raw in raws if raw]
 
-    async def update_node(
-        self, node_id: str, change: Callable[[NodeData], None], lease_s: float | None = None
-    ) -> NodeData | None:
-        key = P + f"node:{node_id}"
+    async def _transact(
+        self,
+        key: str,
+        decoder: msgspec.msgpack.Decoder[Any],
+        change: Callable[[Any], bool],
+        queue: Callable[[Any, Any], None],
+    ) -> Any:
+        """Read ``key``, ``change`` the record, and write it back with ``queue``'s commands in one
+        optimistic transaction (WATCH, MULTI), again if another writer came first. None if absent;
+        nothing written when ``change`` says nothing changed."""
 
-        async def update() -> NodeData | None:
+        async def attempt() -> Any:
             async with self._redis.pipeline(transaction=True) as pipe:
                 while True:
                     try:
@@ -137,18 +143,34 @@ class RedisStore(Store):
                         if not raw:
                             await pipe.reset()
                             return None
-                        node = _node.decode(raw)  # type: ignore[arg-type]
-                        change(node)
+                        record = decoder.decode(raw)  # type: ignore[arg-type]
+                        if not change(record):
+                            await pipe.reset()
+                            return record
                         pipe.multi()
-                        pipe.set(key, _rooms_encoder.encode(node))
-                        if lease_s is not None:
-                            pipe.set(P + f"lease:{node_id}", b"1", px=int(lease_s * 1000))
+                        queue(pipe, record)
                         await pipe.execute()
-                        return node
+                        return record
                     except WatchError:
                         continue
 
-        result: NodeData | None = await self._call(update)
+        return await self._call(attempt)
+
+    async def update_node(
+        self, node_id: str, change: Callable[[NodeData], None], lease_s: float | None = None
+    ) -> NodeData | None:
+        key = P + f"node:{node_id}"
+
+        def queue(pipe: Any, node: NodeData) -> None:
+            pipe.set(key, _rooms_encoder.encode(node))
+            if lease_s is not None:
+                pipe.set(P + f"lease:{node_id}", b"1", px=int(lease_s * 1000))
+
+        def changed(node: NodeData) -> bool:
+            change(node)
+            return True
+
+        result: NodeData | None = await self._transact(key, _node, changed, queue)
         return result
 
     async def alive(self, node_id: str) -> bool:
@@ -200,33 +222,16 @@ class RedisStore(Store):
     async def update_room(self, room_id: int, change: Change) -> RoomData | None:
         key = P + f"room:{room_id}"
 
-        async def update() -> RoomData | None:
-            async with self._redis.pipeline(transaction=True) as pipe:
-                while True:
-                    try:
-                        await pipe.watch(key)
-                        raw = await pipe.get(key)
-                        if not raw:
-                            await pipe.reset()
-                            return None
-                        room = _room.decode(raw)  # type: ignore[arg-type]
-                        if not change(room):
-                            await pipe.reset()
-                            return room
-                        pipe.multi()
-                        ttl = self._room_ttl_ms if room.done else None
-                        pipe.set(key, _rooms_encoder.encode(room), px=ttl)
-                        if room.done:
-                            pipe.pexpire(P + f"tokens:{room_id}", self._room_ttl_ms)
-                            for attempt in room.attempts:
-                                pipe.pexpire(P + f"transfer:{attempt.transfer}", self._room_ttl_ms)
-                        pipe.publish(P + "events", str(room_id))
-                        await pipe.execute()
-                        return room
-                    except WatchError:
-                        continue
+        def queue(pipe: Any, room: RoomData) -> None:
+            ttl = self._room_ttl_ms if room.done else None
+            pipe.set(key, _rooms_encoder.encode(room), px=ttl)
+            if room.done:
+                pipe.pexpire(P + f"tokens:{room_id}", self._room_ttl_ms)
+                for attempt in room.attempts:
+                    pipe.pexpire(P + f"transfer:{attempt.transfer}", self._room_ttl_ms)
+            pipe.publish(P + "events", str(room_id))
 
-        result: RoomData | None = await self._call(update)
+        result: RoomData | None = await self._transact(key, _room, change, queue)
         return result
 
     async def link_transfer(self, transfer: int, room_id: int) -> None:
