@@ -356,7 +356,7 @@ class Cluster:
         while not await self.store.create_room(room):  # an id another bootstrap just took
             room.room = room.attempt.transfer = rooms.new_id()
         await self.store.link_transfer(room.room, room.room)
-        self.metrics.transitions.labels(RoomState.BOOTSTRAPPING.name).inc()
+        self.metrics.transitioned(RoomState.BOOTSTRAPPING.name)
         self.attempts.inc()
         log.info(
             "room=%d placed prefill=%s decode=%s tokens=%d",
@@ -484,7 +484,7 @@ class Cluster:
         self._in_flight = max(0, self._in_flight - 1)
         state = "FAILED" if room.outcome == "failed" or room.state == RoomState.FAILED else "SUCCESS"
         self.metrics.room_seconds.labels(state).observe(time.time() - room.created)
-        self.metrics.transitions.labels(state).inc()
+        self.metrics.transitioned(state)
         if state == "FAILED":
             self.metrics.failures.labels(room.reason or "unknown").inc()
 

@@ -7,7 +7,9 @@ began, TRANSFERRING until every one of them sent done+aux and the gate
 slots intact, this room's, and in agreement: then the rank is ready. The room
 becomes SUCCESS only when every rank of the node is ready with the same record
 (``shared.agreement``); then every rank decodes, in the order they agreed.
-Each waiting state has its own timeout and failure reason.
+Each waiting state has its own timeout and failure reason. A prefill rank whose
+done+aux goes out soon after the request sends no accept or start notice: the
+room passes through those states when its done+aux arrives.
 
 Ownership of pages: a prefill rank may write into the pages lent to it from the
 transfer request until it sends done+aux (its writes completed) or

@@ -2,10 +2,16 @@
 then sends each its done+aux.
 
 Per room, on this rank: BOOTSTRAPPING while the model runs, WAITING_FOR_INPUT
-until the decode ranks' transfer requests are in (a valid request is
-acknowledged at once), TRANSFERRING while the engine writes, SUCCESS once every
-write completed and every done+aux was queued. The room's state is what the
-node's ranks agreed: SUCCESS when every rank finished, FAILED when one failed.
+until the decode ranks' transfer requests are in, TRANSFERRING while the engine
+writes, SUCCESS once every write completed and every done+aux was queued. The
+room's state is what the node's ranks agreed: SUCCESS when every rank finished,
+FAILED when one failed.
+
+A decode rank hears that its request was accepted and that its write began
+only when its done+aux has not gone out ``progress_notice_s`` after the
+request (or after the write began): the notices are two messages per room, and
+sent at once they would take the cores while the write they announce runs. A
+done+aux says both.
 
 Ownership of pages: our pages are read by the engine until a write is
 resolved. A write that failed is resolved; one that gave up while it may
@@ -51,6 +57,7 @@ class PrefillJob(RankRoom):
         self.written: set[int] = set()  # decode ranks sent their done+aux
         self.unresolved: set[int] = set()  # decode ranks our write to may still move into
         self.released: set[int] = set()  # decode ranks told their pages are free
+        self.told: dict[int, RoomState] = {}  # decode rank -> the furthest step it was told of
         self.lease_deadline = float("inf")
 
 
@@ -194,6 +201,7 @@ class PrefillService(RankService):
         self.set_local(job, RoomState.WAITING_FOR_INPUT)
         for decode_rank in job.requests:
             self._start_transfer(job, decode_rank)
+            self._notify_later(job, decode_rank)
 
     def _on_request(self, req: protocol.TransferRequest, sender: str | None) -> None:
         self.check_rank(req.rank, req.room)
@@ -214,10 +222,7 @@ class PrefillService(RankService):
         job.timings.setdefault("request_received_at", time.time())
         if job.computed and not job.local.terminal:
             self._start_transfer(job, req.decode_rank)
-        # After the write is handed over: the accept may follow the start notice,
-        # which the decode allows for.
-        accepted = protocol.TransferAccepted(room=job.id, rank=req.decode_rank, prefill_rank=self.rank.index)
-        self.rank.send(job.decode_ranks[req.decode_rank], accepted)
+        self._notify_later(job, req.decode_rank)
 
     def _validate_request(self, job: PrefillJob, req: protocol.TransferRequest, sender: str | None) -> None:
         def reject(why: str, kind: str = "invalid") -> RejectedMessage:
@@ -303,11 +308,28 @@ class PrefillService(RankService):
             digests = Digests(self.pool, job.pages, (heads.start - mine.start) * hb, heads.count * hb)
         job.writing.add(decode_rank)
         self.worker.submit(TransferTask(job.id, decode_rank, peer, writes, done, aux, digests))
-        # Notices go after the hand-off: each send wakes a ZMQ I/O thread, which
-        # costs more than the worker needs to start the write.
         self.set_local(job, RoomState.TRANSFERRING)
-        started = protocol.TransferStarted(room=job.id, rank=decode_rank, prefill_rank=self.rank.index)
-        self.rank.send(peer, started)
+
+    def _notify_later(self, job: PrefillJob, decode_rank: int) -> None:
+        delay = self.settings.progress_notice_s
+        if delay > 0:
+            self.loop.call_later(delay, self._notify, job, decode_rank)
+        else:
+            self._notify(job, decode_rank)
+
+    def _notify(self, job: PrefillJob, decode_rank: int) -> None:
+        """Tell a decode rank what it has not heard of its request: accepted, and the write begun."""
+        if job.local.terminal or decode_rank in job.written:
+            return  # its done+aux, or the room's end, says more
+        told = job.told.get(decode_rank, RoomState.BOOTSTRAPPING)
+        peer = job.decode_ranks[decode_rank]
+        if told < RoomState.WAITING_FOR_INPUT:
+            self.rank.send(peer, protocol.TransferAccepted(job.id, decode_rank, self.rank.index))
+            told = RoomState.WAITING_FOR_INPUT
+        if decode_rank in job.writing and told < RoomState.TRANSFERRING:
+            self.rank.send(peer, protocol.TransferStarted(job.id, decode_rank, self.rank.index))
+            told = RoomState.TRANSFERRING
+        job.told[decode_rank] = told
 
     def _transfer_finished(self, outcome: TransferOutcome) -> None:
         """On the event loop, after the worker wrote into one decode rank (and sent its done+aux)."""

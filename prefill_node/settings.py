@@ -18,6 +18,12 @@ class PrefillSettings(NodeSettings):
     write_timeout_s: float = Field(
         WRITE_TIMEOUT_S, gt=0, description="seconds a KV write may take (plus one per GB) before it gives up"
     )
+    progress_notice_s: float = Field(
+        0.05,
+        ge=0,
+        description="seconds a room's write may take before its decode is told the request was accepted "
+        "and the write began (0: at once); a room whose done+aux goes out sooner sends only that",
+    )
     early_request_ttl_s: float = Field(
         10.0, gt=0, description="how long a transfer request that beat its room is kept"
     )

@@ -50,6 +50,8 @@ class ServiceMetrics:
         self.transitions = Counter(
             "kvroom_room_transitions_total", "Room transitions by target state", ["state"], registry=r
         )
+        # Every state's child made once: looking one up by label costs more than counting.
+        self._transitions_to = {state.name: self.transitions.labels(state.name) for state in RoomState}
         self.failures = Counter(
             "kvroom_room_failures_total", "Rooms ended FAILED, by reason", ["reason"], registry=r
         )
@@ -98,6 +100,10 @@ class ServiceMetrics:
                 ["reason"],
                 registry=r,
             )
+
+    def transitioned(self, state: str) -> None:
+        """Count a room's transition into ``state``."""
+        self._transitions_to[state].inc()
 
     def gauge_function(self, name: str, doc: str, fn: Callable[[], float]) -> None:
         Gauge(name, doc, registry=self.registry).set_function(fn)

@@ -222,7 +222,7 @@ class RankService(abc.ABC):
 
     def room_changed(self, room: Room) -> None:
         if room.outcome is None:  # a transition; an outcome is counted where it is decided
-            self.metrics.transitions.labels(room.state.name).inc()
+            self.metrics.transitioned(room.state.name)
             if room.state is RoomState.FAILED:
                 self.metrics.failures.labels(room.reason or "unknown").inc()
         if room.state.terminal and not self.holds(room):

@@ -11,6 +11,9 @@ from shared.model import ReferenceModel, configure_determinism
 # Short liveness settings so fault tests finish in seconds.
 FAST_BOOTSTRAP = ["--node-ttl-s", "1.5"]
 FAST_NODE = ["--heartbeat-interval-s", "0.3", "--register-retry-s", "0.2"]
+# A prefill that tells the decode of every accept and start at once, for tests that watch the
+# states of a room whose done+aux is held (by default only a slow room's decode hears of them).
+NOTICES_AT_ONCE = ["--progress-notice-s", "0"]
 
 
 def _stack(tmp_path, bootstrap_args=None):

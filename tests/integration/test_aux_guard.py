@@ -7,21 +7,27 @@ import pytest
 from shared import protocol
 from shared.aux_buffers import AUX_RECORD, Aux
 from shared.model import encode_text, generate
+from tests.integration.conftest import NOTICES_AT_ONCE
 from tests.integration.helpers import metric, node_room, pools_full, wait_for
 from tests.integration.holding_proxy import in_front_of
 
 
 @pytest.fixture
 def held(stack):
-    """Start prefill and decode nodes with a proxy in front of the decode holding ``kinds``."""
+    """Start prefill and decode nodes with a proxy in front of the decode holding ``kinds``; the
+    prefill sends its notices at once unless ``prefill_args`` say otherwise."""
 
-    def start(*decode_args: str, kinds: tuple[type, ...] = (protocol.KvDone,)):
+    def start(
+        *decode_args: str,
+        kinds: tuple[type, ...] = (protocol.KvDone,),
+        prefill_args: list[str] = NOTICES_AT_ONCE,
+    ):
         stack.bootstrap.start()
         stack.bootstrap.wait_healthy(registered=False)
         decode = stack.node("decode", "decode-0", list(decode_args))
         proxy = exits.enter_context(in_front_of(decode, lambda m: isinstance(m, kinds)))
         decode.start()
-        prefill = stack.node("prefill", "prefill-0").start()
+        prefill = stack.node("prefill", "prefill-0", list(prefill_args)).start()
         decode.wait_healthy()
         prefill.wait_healthy()
         return prefill, decode, proxy
@@ -124,17 +130,24 @@ def test_aux_naming_another_room_fails_only_that_room(stack, held, model):
 
 
 @pytest.mark.parametrize(
-    ("kinds", "reason"),
+    ("kinds", "prefill_args", "reason"),
     [
-        ((protocol.TransferAccepted, protocol.TransferStarted, protocol.KvDone), "bootstrap_timeout"),
-        ((protocol.TransferStarted, protocol.KvDone), "waiting_timeout"),
-        ((protocol.KvDone,), "transfer_timeout"),
+        (
+            (protocol.TransferAccepted, protocol.TransferStarted, protocol.KvDone),
+            NOTICES_AT_ONCE,
+            "bootstrap_timeout",
+        ),
+        ((protocol.TransferStarted, protocol.KvDone), NOTICES_AT_ONCE, "waiting_timeout"),
+        ((protocol.KvDone,), NOTICES_AT_ONCE, "transfer_timeout"),
+        # A room written before its notices were due sends none: its lost done+aux was all
+        # the decode would have heard.
+        ((protocol.KvDone,), ["--progress-notice-s", "30"], "bootstrap_timeout"),
     ],
 )
-def test_each_waiting_state_times_out_with_its_reason(stack, held, kinds, reason):
+def test_each_waiting_state_times_out_with_its_reason(stack, held, kinds, prefill_args, reason):
     stack.bootstrap.args += ["--max-attempts", "1"]  # the room ends with its first attempt
     flags = ["--bootstrap-timeout-s", "1", "--waiting-timeout-s", "1", "--transfer-timeout-s", "1"]
-    prefill, decode, proxy = held(*flags, kinds=kinds)
+    prefill, decode, proxy = held(*flags, kinds=kinds, prefill_args=prefill_args)
     with stack.client() as client:
         room = client.post("/rooms", json={"prompt": "stuck", "max_new_tokens": 4}).json()["room"]
         final = client.get(f"/rooms/{room}", params={"wait": 20}).json()

@@ -4,7 +4,7 @@ import httpx
 
 from shared import protocol
 from shared.model import encode_text, generate
-from tests.integration.conftest import FAST_NODE
+from tests.integration.conftest import FAST_NODE, NOTICES_AT_ONCE
 from tests.integration.helpers import metric, node_room, pools_full, wait_for
 from tests.integration.holding_proxy import in_front_of
 
@@ -28,7 +28,7 @@ def test_prefill_killed_mid_transfer(fast_stack, model):
     # Done+aux is held: the rooms are TRANSFERRING on the decode when the prefill dies.
     with in_front_of(decode, lambda m: isinstance(m, protocol.KvDone)) as proxy:
         decode.start()
-        prefill = stack.node("prefill", "prefill-0", FAST_NODE).start()
+        prefill = stack.node("prefill", "prefill-0", [*FAST_NODE, *NOTICES_AT_ONCE]).start()
         decode.wait_healthy()
         prefill.wait_healthy()
         start = decode.health()

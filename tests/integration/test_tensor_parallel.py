@@ -10,7 +10,7 @@ import pytest
 
 from shared import protocol
 from shared.model import encode_text, generate
-from tests.integration.conftest import FAST_NODE
+from tests.integration.conftest import FAST_NODE, NOTICES_AT_ONCE
 from tests.integration.helpers import metric, node_room, wait_for
 from tests.integration.holding_proxy import in_front_of
 
@@ -70,7 +70,7 @@ def tp_decode(stack):
         hold = lambda m: isinstance(m, protocol.KvDone) and m.rank == 1  # noqa: E731
         proxy = proxies.enter_context(in_front_of(decode, hold, ranks=2))
         decode.start()
-        prefill = stack.node("prefill", "prefill-0").start()
+        prefill = stack.node("prefill", "prefill-0", NOTICES_AT_ONCE).start()
         decode.wait_healthy()
         prefill.wait_healthy()
         return prefill, decode, proxy

@@ -11,7 +11,7 @@ from launcher.local_stack import Service
 from shared import protocol
 from shared.model import encode_text, generate
 from shared.security import CurveKeys, Security
-from tests.integration.conftest import FAST_NODE
+from tests.integration.conftest import FAST_NODE, NOTICES_AT_ONCE
 from tests.integration.helpers import metric, node_room, pools_full, wait_for
 from tests.integration.holding_proxy import in_front_of
 
@@ -47,7 +47,7 @@ def held(stack):
         decode = stack.node("decode", "decode-0", list(decode_args))
         proxy = proxies.enter_context(in_front_of(decode, lambda m: isinstance(m, protocol.KvDone)))
         decode.start()
-        prefill = stack.node("prefill", "prefill-0").start()
+        prefill = stack.node("prefill", "prefill-0", NOTICES_AT_ONCE).start()
         decode.wait_healthy()
         prefill.wait_healthy()
         return prefill, decode, proxy

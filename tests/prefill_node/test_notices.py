@@ -1,0 +1,161 @@
+"""When a prefill rank tells its decode that the request was accepted and the write began, in
+process, with the fake engine (no transfer is proven here)."""
+
+import asyncio
+import threading
+import time
+
+import pytest
+import uvloop
+
+from launcher.local_stack import free_port
+from prefill_node.service import PrefillService
+from prefill_node.settings import PrefillSettings
+from shared import protocol
+from shared.agreement import Solo
+from shared.kv_source import make_source
+from shared.metrics import ServiceMetrics
+from shared.rank import Rank
+from shared.security import Security
+from shared.states import RoomState
+from tests.fakes import FakeEngine
+
+ROOM = 41
+DECODE = protocol.PeerRank(0, "decode", "tcp://127.0.0.1:9", "", 0, 4)
+
+
+class Node:
+    def is_bootstrap(self, sender: str | None) -> bool:
+        return sender is None
+
+    def assign(self, msg: protocol.Message) -> None:
+        pass
+
+    def report(self, room) -> None:
+        pass
+
+    def tokens(self, room: int, offset: int, tokens: list[int]) -> None:
+        pass
+
+
+class GatedEngine(FakeEngine):
+    """Writes wait until ``gate`` is set."""
+
+    def __init__(self, directory: dict[str, list[tuple[int, int]]]):
+        super().__init__("prefill", directory)
+        self.gate = threading.Event()
+
+    def write(self, peer_session, writes, timeout_s=30.0):
+        self.gate.wait(10)
+        return super().write(peer_session, writes, timeout_s)
+
+
+def run(test, **settings):
+    """Runs ``test(service, engine, sent)``; ``sent`` collects what the rank sent its peers
+    (done+aux leaves from the transfer thread, on its own sockets, and is not among them)."""
+
+    async def main():
+        s = PrefillSettings(
+            http_port=free_port(),
+            zmq_port=free_port(),
+            num_pages=32,
+            zmq_security="plain",
+            model="synthetic",
+            **settings,
+        )
+        directory: dict[str, list[tuple[int, int]]] = {"decode": [(0, 1 << 62)]}
+        engine = GatedEngine(directory)
+        rank = Rank(s, 0, make_source(s, 0, None), Security(None), engine)
+        sent: list[protocol.Message] = []
+        rank.send = lambda peer, msg, aux=None: sent.append(msg) or True  # type: ignore[method-assign]
+        service = PrefillService(rank, Node(), Solo(), ServiceMetrics("prefill"))
+        service.loop = asyncio.get_running_loop()
+        try:
+            await test(service, engine, sent)
+        finally:
+            engine.gate.set()
+            service.shutdown()
+            rank.push.close()
+            rank.zmq.term()
+
+    uvloop.run(main())
+
+
+def room_and_request(service, tokens=4):
+    service.handle_assignment(protocol.PrefillRoom(ROOM, [65] * tokens, "decode-0", [DECODE]))
+    job = service.rooms.live[ROOM]
+    pages = list(range(service.layout.pages_for(tokens)))
+    request = protocol.TransferRequest(
+        ROOM, 0, 0, service.pool.base_ptr, 32, DECODE.kv_head_count * service.layout.head_bytes, pages, 0
+    )
+    service.handle_peer(request, None, None)
+    return job
+
+
+def kinds(sent):
+    return [type(m).__name__ for m in sent]
+
+
+async def until(condition, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.005)
+
+
+def test_a_room_written_before_its_notices_are_due_sends_none():
+    async def test(service, engine, sent):
+        job = room_and_request(service)
+        engine.gate.set()
+        await until(lambda: job.state is RoomState.SUCCESS)
+        await asyncio.sleep(0.3)  # past the notices' time
+        assert kinds(sent) == []
+
+    run(test, progress_notice_s=0.1)
+
+
+def test_a_slow_write_is_announced_once_its_notices_are_due():
+    async def test(service, engine, sent):
+        job = room_and_request(service)
+        await asyncio.sleep(0.05)
+        assert kinds(sent) == []  # not yet due
+        await until(lambda: kinds(sent) == ["TransferAccepted", "TransferStarted"])
+        engine.gate.set()
+        await until(lambda: job.state is RoomState.SUCCESS)
+        await asyncio.sleep(0.3)
+        assert kinds(sent) == ["TransferAccepted", "TransferStarted"]  # told once
+        assert all(m.room == ROOM and m.rank == 0 for m in sent)
+
+    run(test, progress_notice_s=0.1)
+
+
+def test_a_request_that_waits_for_its_kv_is_accepted_then_started():
+    async def test(service, engine, sent):
+        held = threading.Event()
+        service.source.inline = False  # the KV is computed in the model thread, held up here
+        service.model.submit(held.wait, 10)
+        job = room_and_request(service)
+        await until(lambda: kinds(sent) == ["TransferAccepted"])
+        held.set()
+        await until(lambda: kinds(sent) == ["TransferAccepted", "TransferStarted"])
+        engine.gate.set()
+        await until(lambda: job.state is RoomState.SUCCESS)
+
+    run(test, progress_notice_s=0.1)
+
+
+@pytest.mark.parametrize("ready", [True, False])
+def test_notices_at_once(ready):
+    async def test(service, engine, sent):
+        held = threading.Event()
+        if not ready:
+            service.source.inline = False
+            service.model.submit(held.wait, 10)
+        job = room_and_request(service)
+        assert kinds(sent) == (["TransferAccepted", "TransferStarted"] if ready else ["TransferAccepted"])
+        held.set()
+        await until(lambda: kinds(sent) == ["TransferAccepted", "TransferStarted"])
+        engine.gate.set()
+        await until(lambda: job.state is RoomState.SUCCESS)
+
+    run(test, progress_notice_s=0)
