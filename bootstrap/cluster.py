@@ -25,6 +25,7 @@ from typing import Any
 import zmq
 
 from bootstrap import rooms
+from bootstrap.outbox import Outbox
 from bootstrap.registry import Incompatible, Node, Registrations, check
 from bootstrap.settings import BootstrapSettings
 from bootstrap.store import Attempt, BootstrapInfo, NodeData, RoomData, StoreUnavailable, open_store
@@ -67,6 +68,7 @@ class Cluster:
         self.zmq = zmq.Context()
         self._zap = ZapHandler(self.zmq) if self.security.keys is not None else None
         self.push = PushSockets(self.zmq, self.security)
+        self.outbox = Outbox(self.push, self._lost)
         self.id = secrets.token_hex(8)
         self.started = int(time.time())
         self.tokenizer = load_tokenizer(settings.model)
@@ -372,16 +374,21 @@ class Cluster:
 
     def _assign(self, room: RoomData, prefill: Node, decode: Node) -> None:
         transfer, ids = room.attempt.transfer, room.input_ids
-        sent = self._send(
-            prefill.leader, protocol.PrefillRoom(transfer, ids, decode.id, decode.peers)
-        ) and self._send(
+        self.outbox.room(
+            prefill.leader, protocol.PrefillRoom(transfer, ids, decode.id, decode.peers), room.room
+        )
+        self.outbox.room(
             decode.leader,
             protocol.DecodeRoom(
                 transfer, len(ids), room.max_new_tokens, prefill.id, prefill.peers, room.stop, room.stream
             ),
+            room.room,
         )
-        if not sent:
-            self._spawn(self._fail(room.room, FailureReason.PEER_LOST))
+
+    def _lost(self, room_ids: list[int]) -> None:
+        """Rooms whose assignment could not be queued to one of their nodes."""
+        for room_id in dict.fromkeys(room_ids):
+            self._spawn(self._fail(room_id, FailureReason.PEER_LOST))
 
     async def abort(self, room_id: int) -> bool:
         return await self._fail(room_id, FailureReason.ABORTED, final=True)
@@ -473,12 +480,9 @@ class Cluster:
     async def _abort_on(self, node_id: str, transfer: int, reason: str, peer_gone: bool = False) -> None:
         node = next((n for n in self._nodes if n.id == node_id), None) or await self.node(node_id)
         if node is not None:
-            self._send(
+            self.outbox.abort(
                 node.leader, protocol.AbortRoom(room=transfer, rank=0, reason=reason, peer_gone=peer_gone)
             )
-
-    def _send(self, peer: protocol.PeerRank, msg: protocol.Message) -> bool:
-        return self.push.send(peer.zmq_endpoint, peer.public_key, protocol.encode(msg))
 
     def _count_end(self, room: RoomData) -> None:
         self._in_flight = max(0, self._in_flight - 1)

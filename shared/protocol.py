@@ -28,6 +28,8 @@ Changelog
        Room assignments go to a node's leader, which hands them to its ranks.
        New: ROOM_TOKENS (decoded tokens as they come), RANK_STATES and
        RANK_AGREED (agreement between the ranks of a node), RANK_HEALTH, RANK_READY.
+    3  ASSIGNMENTS: the rooms the bootstrap placed on a node and its aborts for
+       it, gathered over one turn of the bootstrap's event loop, in one message.
 """
 
 import enum
@@ -43,7 +45,7 @@ from shared.errors import (
     VersionMismatch,
 )
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAGIC = b"KVRM"
 _HEADER = struct.Struct("!4sHB")
 HEADER_BYTES = _HEADER.size
@@ -54,6 +56,7 @@ MAX_RANKS = 64
 MAX_PAGES_PER_ROOM = 1 << 16
 MAX_TOKENS = 1 << 17
 MAX_REPORTS = 1024
+MAX_ASSIGNMENTS = 1024
 MAX_HEADS = 1024
 MAX_STOP = 8
 
@@ -87,6 +90,7 @@ class Kind(enum.IntEnum):
     RANK_AGREED = 12
     RANK_HEALTH = 13
     RANK_READY = 14
+    ASSIGNMENTS = 15
 
 
 class PeerRank(msgspec.Struct, frozen=True):
@@ -129,6 +133,15 @@ class AbortRoom(msgspec.Struct, frozen=True):
     rank: Rank  # the rank addressed; 0 for a node's leader
     reason: Text
     peer_gone: bool = False  # the room's other node is gone: nothing more will be written
+
+
+class Assignments(msgspec.Struct, frozen=True):
+    """Bootstrap -> a node's leader: the rooms placed on the node, then the aborts for it, from one
+    turn of the bootstrap's event loop; taken in that order, each as if it came alone."""
+
+    prefill_rooms: Annotated[list[PrefillRoom], msgspec.Meta(max_length=MAX_ASSIGNMENTS)] = []
+    decode_rooms: Annotated[list[DecodeRoom], msgspec.Meta(max_length=MAX_ASSIGNMENTS)] = []
+    aborts: Annotated[list[AbortRoom], msgspec.Meta(max_length=MAX_ASSIGNMENTS)] = []
 
 
 class TransferRequest(msgspec.Struct, frozen=True):
@@ -276,6 +289,7 @@ Message = (
     PrefillRoom
     | DecodeRoom
     | AbortRoom
+    | Assignments
     | TransferRequest
     | TransferAccepted
     | TransferStarted
@@ -293,6 +307,7 @@ KIND_OF: dict[type, Kind] = {
     PrefillRoom: Kind.PREFILL_ROOM,
     DecodeRoom: Kind.DECODE_ROOM,
     AbortRoom: Kind.ABORT_ROOM,
+    Assignments: Kind.ASSIGNMENTS,
     TransferRequest: Kind.TRANSFER_REQUEST,
     TransferAccepted: Kind.TRANSFER_ACCEPTED,
     TransferStarted: Kind.TRANSFER_STARTED,

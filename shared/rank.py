@@ -184,6 +184,31 @@ class RankService(abc.ABC):
 
     def on_message(self, msg: protocol.Message, aux: memoryview | None, sender: str | None) -> None:
         """Everything that reaches this rank's network socket."""
+        if isinstance(msg, protocol.Assignments):
+            if not self.node.is_bootstrap(sender):
+                raise RejectedMessage(
+                    f"assignments from {sender or 'an unknown sender'}, not the bootstrap",
+                    kind="unauthorized",
+                )
+            batch: list[protocol.PrefillRoom | protocol.DecodeRoom | protocol.AbortRoom] = [
+                *msg.prefill_rooms,
+                *msg.decode_rooms,
+                *msg.aborts,
+            ]
+            for one in batch:
+                try:
+                    self.node.assign(one)
+                except RejectedMessage as exc:  # one bad room costs only itself
+                    self.metrics.rejected.labels(exc.kind).inc()
+                    log.warning(
+                        "room=%d dropped %s (%s): %s",
+                        one.room,
+                        type(one).__name__,
+                        exc.kind,
+                        exc,
+                        extra={"room": one.room},
+                    )
+            return
         if isinstance(msg, (protocol.PrefillRoom, protocol.DecodeRoom)) or (
             isinstance(msg, protocol.AbortRoom) and self.node.is_bootstrap(sender)
         ):

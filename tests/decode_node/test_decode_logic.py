@@ -288,3 +288,26 @@ def test_assignments_reach_the_node_only_from_the_bootstrap():
         assert node.assigned == [room]
 
     run(body)
+
+
+def test_assignments_are_taken_in_order_and_a_bad_one_costs_only_itself():
+    async def test(service, node):
+        node.assign = service.handle_assignment  # what the node's leader does for its own rank
+        room = protocol.DecodeRoom(ROOM, 20, 5, "p", [PREFILL])
+        other = protocol.DecodeRoom(ROOM + 1, 20, 5, "p", [PREFILL])
+        batch = protocol.Assignments(
+            decode_rooms=[room, room, other], aborts=[protocol.AbortRoom(ROOM + 1, 0, "aborted")]
+        )
+        service.on_message(batch, None, None)
+        assert ROOM in service.rooms.live  # the duplicate was dropped, and counted
+        registry = service.metrics.registry
+        assert registry.get_sample_value("kvroom_messages_rejected_total", {"kind": "duplicate"}) == 1
+        ended = service.rooms.find(ROOM + 1)
+        assert (ended.state, ended.reason) == (RoomState.FAILED, "aborted")  # its abort came after it
+
+        stranger = protocol.Assignments(decode_rooms=[protocol.DecodeRoom(ROOM + 2, 20, 5, "p", [PREFILL])])
+        with pytest.raises(RejectedMessage, match="not the bootstrap"):
+            service.on_message(stranger, None, PREFILL_KEY)
+        assert service.rooms.find(ROOM + 2) is None
+
+    run(test)

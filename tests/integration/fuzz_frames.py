@@ -60,6 +60,11 @@ def random_message(rng: random.Random) -> Frames:
         ),
         lambda: protocol.DecodeRoom(room, _int(rng), _int(rng), "p", _peers(rng)),
         lambda: protocol.AbortRoom(room, rank, "aborted", rng.random() < 0.5),
+        lambda: protocol.Assignments(
+            [protocol.PrefillRoom(room, [rng.randrange(-5, 300)], "d", _peers(rng))],
+            [protocol.DecodeRoom(room, _int(rng), _int(rng), "p", _peers(rng))],
+            [protocol.AbortRoom(room, rank, "aborted")],
+        ),
         lambda: protocol.TransferRequest(
             room,
             rank,

@@ -32,6 +32,10 @@ MESSAGES: list[protocol.Message] = [
     ),
     protocol.AbortRoom(room=5, rank=0, reason="aborted"),
     protocol.AbortRoom(room=5, rank=3, reason="peer_lost", peer_gone=True),
+    protocol.Assignments(
+        prefill_rooms=[protocol.PrefillRoom(room=6, input_ids=[1, 2], decode_node="d", decode_ranks=[PEER])],
+        aborts=[protocol.AbortRoom(room=5, rank=0, reason="aborted")],
+    ),
     protocol.TransferRequest(
         room=5,
         rank=0,
@@ -142,8 +146,8 @@ STATES_BODY = {"rank": 0, "states": [{"room": 5, "state": 1}]}
         pytest.param([b"KVR", BODY], MalformedFrame, id="short header"),
         pytest.param([header() + b"x", BODY], MalformedFrame, id="long header"),
         pytest.param([header(magic=b"XXXX"), BODY], MalformedFrame, id="bad magic"),
-        pytest.param([header(version=1), BODY], VersionMismatch, id="version 1"),
-        pytest.param([header(version=3), BODY], VersionMismatch, id="version 3"),
+        pytest.param([header(version=2), BODY], VersionMismatch, id="version 2"),
+        pytest.param([header(version=4), BODY], VersionMismatch, id="version 4"),
         pytest.param([header(version=0), b"\xff\xff"], VersionMismatch, id="version checked before body"),
         pytest.param([header(kind=99), BODY], UnknownMessageType, id="kind 99"),
         pytest.param([header(kind=0), BODY], UnknownMessageType, id="kind 0"),
