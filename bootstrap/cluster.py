@@ -370,6 +370,9 @@ class Cluster:
         )
         self._in_flight += 1
         self._assign(room, prefill, decode)
+        # Answered only once the nodes' assignments left: a bootstrap killed after answering
+        # must not take a placed room's only copy with it.
+        await self.outbox.flushed()
         return room
 
     def _assign(self, room: RoomData, prefill: Node, decode: Node) -> None:

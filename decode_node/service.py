@@ -35,11 +35,15 @@ from shared.head_split import HeadRange, writers
 from shared.kv_source import Decoded
 from shared.metrics import ServiceMetrics
 from shared.model import pages_needed
+from shared.per_turn import PerTurn, chunks
 from shared.rank import NodeHooks, Rank, RankRoom, RankService
 from shared.room import Room
 from shared.states import FailureReason, RoomState
 
 log = logging.getLogger(__name__)
+
+# Page indices are most of a transfer request's bytes: this many stay far below a body's limit.
+MAX_PAGES_PER_MESSAGE = 100_000
 
 
 class DecodeJob(RankRoom):
@@ -79,6 +83,7 @@ class DecodeService(RankService):
         # Failed rooms whose pages are still lent out, until released or timed out.
         self.fenced: dict[int, DecodeJob] = {}
         self.prefill_pages = self.layout.pages_for
+        self.requests: PerTurn[protocol.TransferRequest] = PerTurn(self._send_requests)
 
     def health(self) -> protocol.RankHealth:
         return protocol.RankHealth(
@@ -176,11 +181,23 @@ class DecodeService(RankService):
                 page_indices=kv_pages,
                 aux_slot=slot,
             )
-            if not self.rank.send(job.prefill_ranks[prefill_rank], request):
-                self.set_local(job, RoomState.FAILED, FailureReason.PEER_LOST)
-                return
+            self.requests.add(job.prefill_ranks[prefill_rank], request)
             job.unaccepted.add(prefill_rank)
             job.leased.add(prefill_rank)
+
+    def _send_requests(self, peer: protocol.PeerRank, requests: list[protocol.TransferRequest]) -> None:
+        """A turn's transfer requests to one prefill rank: alone as they are, several in one message."""
+        for run in chunks(
+            requests, lambda r: len(r.page_indices), protocol.MAX_ASSIGNMENTS, MAX_PAGES_PER_MESSAGE
+        ):
+            msg = run[0] if len(run) == 1 else protocol.TransferRequests(run)
+            if self.rank.send(peer, msg):
+                continue
+            for request in run:
+                job = self.rooms.live.get(request.room)
+                if job is not None:
+                    assert isinstance(job, DecodeJob)
+                    self.set_local(job, RoomState.FAILED, FailureReason.PEER_LOST)
 
     def _progress_job(self, room: int, rank: int, prefill_rank: int, sender: str | None) -> DecodeJob | None:
         """The room a progress notice is for; None for a room that already ended.
@@ -414,7 +431,9 @@ class DecodeService(RankService):
     def _failed(self, job: DecodeJob, reason: str) -> None:
         if not job.fail(reason):
             return
-        # Tell prefill ranks that still hold our pages to stop; they answer with a release.
+        # Tell prefill ranks that still hold our pages to stop; they answer with a release. The
+        # requests of this turn go first: an abort must not overtake the request it cancels.
+        self.requests.flush()
         for prefill_rank in job.leased:
             abort = protocol.AbortRoom(room=job.id, rank=prefill_rank, reason=str(reason))
             self.rank.send(job.prefill_ranks[prefill_rank], abort)

@@ -116,6 +116,8 @@ class PrefillService(RankService):
     def handle_peer(self, msg: protocol.Message, aux: memoryview | None, sender: str | None) -> None:
         if isinstance(msg, protocol.TransferRequest):
             self._on_request(msg, sender)
+        elif isinstance(msg, protocol.TransferRequests):
+            self.take_each(msg.requests, lambda req: self._on_request(req, sender))
         elif isinstance(msg, protocol.AbortRoom):
             self._on_abort(msg, sender)
         else:

@@ -29,7 +29,10 @@ Changelog
        New: ROOM_TOKENS (decoded tokens as they come), RANK_STATES and
        RANK_AGREED (agreement between the ranks of a node), RANK_HEALTH, RANK_READY.
     3  ASSIGNMENTS: the rooms the bootstrap placed on a node and its aborts for
-       it, gathered over one turn of the bootstrap's event loop, in one message.
+       it, gathered over one turn of the bootstrap's event loop, in one message;
+       TRANSFER_REQUESTS: a decode rank's transfer requests to one prefill rank
+       from one turn of its loop. A message of either is taken item by item, as
+       if each came alone.
 """
 
 import enum
@@ -91,6 +94,7 @@ class Kind(enum.IntEnum):
     RANK_HEALTH = 13
     RANK_READY = 14
     ASSIGNMENTS = 15
+    TRANSFER_REQUESTS = 16
 
 
 class PeerRank(msgspec.Struct, frozen=True):
@@ -155,6 +159,12 @@ class TransferRequest(msgspec.Struct, frozen=True):
     page_bytes: Annotated[int, msgspec.Meta(ge=1, le=1 << 30)]
     page_indices: Annotated[list[NonNegative], msgspec.Meta(max_length=MAX_PAGES_PER_ROOM)]
     aux_slot: NonNegative
+
+
+class TransferRequests(msgspec.Struct, frozen=True):
+    """Decode rank -> prefill rank: the transfer requests of one turn of the decode's event loop."""
+
+    requests: Annotated[list[TransferRequest], msgspec.Meta(min_length=1, max_length=MAX_ASSIGNMENTS)]
 
 
 class TransferAccepted(msgspec.Struct, frozen=True):
@@ -291,6 +301,7 @@ Message = (
     | AbortRoom
     | Assignments
     | TransferRequest
+    | TransferRequests
     | TransferAccepted
     | TransferStarted
     | KvDone
@@ -309,6 +320,7 @@ KIND_OF: dict[type, Kind] = {
     AbortRoom: Kind.ABORT_ROOM,
     Assignments: Kind.ASSIGNMENTS,
     TransferRequest: Kind.TRANSFER_REQUEST,
+    TransferRequests: Kind.TRANSFER_REQUESTS,
     TransferAccepted: Kind.TRANSFER_ACCEPTED,
     TransferStarted: Kind.TRANSFER_STARTED,
     KvDone: Kind.DONE_AUX,

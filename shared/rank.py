@@ -16,7 +16,7 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Protocol, TypeVar
 
 import zmq
@@ -37,6 +37,9 @@ from shared.zmq_io import PushSockets, bind_pull
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+Item = TypeVar(
+    "Item", protocol.PrefillRoom | protocol.DecodeRoom | protocol.AbortRoom, protocol.TransferRequest
+)
 
 
 class Rank:
@@ -195,19 +198,7 @@ class RankService(abc.ABC):
                 *msg.decode_rooms,
                 *msg.aborts,
             ]
-            for one in batch:
-                try:
-                    self.node.assign(one)
-                except RejectedMessage as exc:  # one bad room costs only itself
-                    self.metrics.rejected.labels(exc.kind).inc()
-                    log.warning(
-                        "room=%d dropped %s (%s): %s",
-                        one.room,
-                        type(one).__name__,
-                        exc.kind,
-                        exc,
-                        extra={"room": one.room},
-                    )
+            self.take_each(batch, self.node.assign)
             return
         if isinstance(msg, (protocol.PrefillRoom, protocol.DecodeRoom)) or (
             isinstance(msg, protocol.AbortRoom) and self.node.is_bootstrap(sender)
@@ -221,6 +212,19 @@ class RankService(abc.ABC):
             self.node.assign(msg)
             return
         self.handle_peer(msg, aux, sender)
+
+    def take_each(self, items: Sequence[Item], take: Callable[[Item], None]) -> None:
+        """Hand each item of a batch to ``take``, as if it came alone: one refused is counted and
+        dropped, and costs only itself."""
+        for item in items:
+            try:
+                take(item)
+            except RejectedMessage as exc:
+                self.metrics.rejected.labels(exc.kind).inc()
+                name = type(item).__name__
+                log.warning(
+                    "room=%d dropped %s (%s): %s", item.room, name, exc.kind, exc, extra={"room": item.room}
+                )
 
     def check_rank(self, rank: int, room: int) -> None:
         if rank != self.rank.index:

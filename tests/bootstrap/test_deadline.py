@@ -23,10 +23,13 @@ class SilentNode:
         return reg
 
     def messages(self, until: type, timeout_ms: int = 10_000) -> list:
-        got = []
+        """What came, each assignment and abort on its own, up to one of type ``until``."""
+        got: list = []
         while not any(isinstance(m, until) for m in got):
             assert self.sock.poll(timeout_ms), f"no {until.__name__} came; got {got}"
-            got.append(protocol.decode(self.sock.recv_multipart())[0])
+            batch = protocol.decode(self.sock.recv_multipart())[0]
+            assert isinstance(batch, protocol.Assignments)
+            got += [*batch.prefill_rooms, *batch.decode_rooms, *batch.aborts]
         return got
 
 

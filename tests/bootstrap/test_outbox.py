@@ -86,3 +86,19 @@ def test_rooms_that_could_not_be_queued_are_reported_lost():
     asyncio.run(turn())
     assert lost == [1, 2]
     assert len(push.sent) == 1
+
+
+def test_a_placement_can_wait_until_its_turn_was_sent():
+    push = Push()
+    outbox = Outbox(push, lambda ids: None)  # type: ignore[arg-type]
+
+    async def place():
+        outbox.room(PREFILL, prefill_room(1), 1)
+        await outbox.flushed()
+        return len(push.sent)
+
+    async def turn():
+        return await asyncio.gather(place(), place())
+
+    assert asyncio.run(turn()) == [1, 1]  # both answered after the one message left
+    assert len(push.sent[0][1].prefill_rooms) == 2

@@ -311,3 +311,45 @@ def test_assignments_are_taken_in_order_and_a_bad_one_costs_only_itself():
         assert service.rooms.find(ROOM + 2) is None
 
     run(test)
+
+
+def test_a_turns_transfer_requests_to_one_prefill_rank_go_in_one_message():
+    async def test(service, node):
+        sent = []
+        service.rank.send = lambda peer, msg, aux=None: sent.append(msg) or True
+        assign(service)
+        assert sent == []  # at the end of the turn
+        await asyncio.sleep(0)
+        assert [type(m) for m in sent] == [protocol.TransferRequest]  # one room: as it always was
+        sent.clear()
+        assign(service, ROOM + 1)
+        assign(service, ROOM + 2)
+        await asyncio.sleep(0)
+        assert [type(m) for m in sent] == [protocol.TransferRequests]
+        assert [r.room for r in sent[0].requests] == [ROOM + 1, ROOM + 2]
+
+    run(test)
+
+
+def test_requests_that_cannot_be_queued_fail_their_rooms():
+    async def test(service, node):
+        service.rank.send = lambda peer, msg, aux=None: False
+        rooms = [assign(service), assign(service, ROOM + 1)]
+        await asyncio.sleep(0)
+        assert [(job.state, job.reason) for job in rooms] == [(RoomState.FAILED, "peer_lost")] * 2
+
+    run(test)
+
+
+def test_an_abort_never_overtakes_the_request_it_cancels():
+    async def test(service, node):
+        sent = []
+        service.rank.send = lambda peer, msg, aux=None: sent.append(msg) or True
+        job = assign(service)
+        service.handle_assignment(protocol.AbortRoom(ROOM, 0, "aborted"))  # in the same turn
+        assert [type(m) for m in sent] == [protocol.TransferRequest, protocol.AbortRoom]
+        assert job.state is RoomState.FAILED
+        await asyncio.sleep(0)
+        assert len(sent) == 2  # nothing sent twice
+
+    run(test)

@@ -75,6 +75,9 @@ def random_message(rng: random.Random) -> Frames:
             [_int(rng) for _ in range(rng.randrange(0, 20))],
             _int(rng),
         ),
+        lambda: protocol.TransferRequests(
+            [protocol.TransferRequest(room, rank, _int(rng), _int(rng), _int(rng), _int(rng), [_int(rng)], 0)]
+        ),
         lambda: protocol.TransferAccepted(room, rank, _int(rng)),
         lambda: protocol.TransferStarted(room, rank, _int(rng)),
         lambda: protocol.RoomReleased(room, rank, _int(rng), rng.choice(["", "aborted"])),

@@ -30,6 +30,15 @@ def stack_keys(key_dir: Path | None) -> dict[str, CurveKeys]:
     return {pair.public: pair for pair in pairs}
 
 
+def singles(frames: Frames) -> list[Frames]:
+    """A batch of transfer requests as the single messages it stands for (which the prefill
+    takes as well), so that each request is held or passed on its own."""
+    msg, _ = protocol.decode(frames)
+    if isinstance(msg, protocol.TransferRequests):
+        return [protocol.encode(request) for request in msg.requests]
+    return [frames]
+
+
 class HoldingProxy:
     def __init__(self, target: Service, hold: Hold, ranks: int = 1):
         self.port = free_ports(ranks)
@@ -92,14 +101,14 @@ class HoldingProxy:
                 rank = self._inbound.index(sock)
                 received = sock.recv_multipart(copy=False)
                 sender = received[0].get("User-Id") if self._security.keys else ""
-                frames = [bytes(f) for f in received]
-                msg, _ = protocol.decode(frames)
-                if self._hold(msg):
-                    with self._lock:
-                        self.held.append((rank, sender, frames))
-                else:
-                    self.passed.append((rank, msg))
-                    self._out(rank, sender).send_multipart(frames, flags=zmq.NOBLOCK)
+                for frames in singles([bytes(f) for f in received]):
+                    msg, _ = protocol.decode(frames)
+                    if self._hold(msg):
+                        with self._lock:
+                            self.held.append((rank, sender, frames))
+                    else:
+                        self.passed.append((rank, msg))
+                        self._out(rank, sender).send_multipart(frames, flags=zmq.NOBLOCK)
 
     def inject(self, frames: Frames, like: Frames | None = None) -> None:
         """Send ``frames`` on as if it came the way the held message ``like`` did

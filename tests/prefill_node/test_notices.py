@@ -159,3 +159,23 @@ def test_notices_at_once(ready):
         await until(lambda: job.state is RoomState.SUCCESS)
 
     run(test, progress_notice_s=0)
+
+
+def test_a_batch_of_requests_is_taken_request_by_request():
+    async def test(service, engine, sent):
+        for room in (ROOM, ROOM + 1):
+            service.handle_assignment(protocol.PrefillRoom(room, [65] * 4, "decode-0", [DECODE]))
+        pages = list(range(service.layout.pages_for(4)))
+        page_bytes = DECODE.kv_head_count * service.layout.head_bytes
+        good = protocol.TransferRequest(ROOM, 0, 0, service.pool.base_ptr, 32, page_bytes, pages, 0)
+        bad = protocol.TransferRequest(ROOM + 1, 0, 0, service.pool.base_ptr, 32, page_bytes + 1, pages, 1)
+        service.handle_peer(protocol.TransferRequests([bad, good]), None, None)
+        engine.gate.set()
+        await until(lambda: service.rooms.find(ROOM).state is RoomState.SUCCESS)
+        rejected = service.metrics.registry.get_sample_value(
+            "kvroom_messages_rejected_total", {"kind": "invalid"}
+        )
+        assert rejected == 1
+        assert service.rooms.find(ROOM + 1).requests == {}  # the bad one was not taken
+
+    run(test, progress_notice_s=0.1)

@@ -46,6 +46,20 @@ MESSAGES: list[protocol.Message] = [
         page_indices=[0, 1, 7],
         aux_slot=3,
     ),
+    protocol.TransferRequests(
+        [
+            protocol.TransferRequest(
+                room=6,
+                rank=0,
+                decode_rank=0,
+                kv_base_ptr=0,
+                num_pages=4,
+                page_bytes=64,
+                page_indices=[2],
+                aux_slot=0,
+            )
+        ]
+    ),
     protocol.TransferAccepted(room=5, rank=0, prefill_rank=1),
     protocol.TransferStarted(room=5, rank=0, prefill_rank=1),
     protocol.RoomReleased(room=5, rank=0, prefill_rank=0, reason="aborted"),

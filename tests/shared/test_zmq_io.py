@@ -4,6 +4,7 @@ senders known by their key, and the dispatcher that decodes and counts what it d
 import asyncio
 import contextlib
 import logging
+import struct
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
@@ -229,7 +230,7 @@ def test_the_dispatcher_counts_what_it_drops_over_curve(context, curve_server):
         with pushing(context, Security(client)) as push:
             async with receiving(pull, handler):
                 assert push.send(endpoint, server.public, [b"garbage"])
-                assert push.send(endpoint, server.public, [b"KVRM\x00\x03\x03", b"\x80"])
+                assert push.send(endpoint, server.public, [header(protocol.PROTOCOL_VERSION + 1), b"\x80"])
                 assert push.send(endpoint, server.public, protocol.encode(abort))
                 await inbox.until(lambda items: len(items) == 1)  # one connection: in order
         return inbox.items
@@ -237,6 +238,10 @@ def test_the_dispatcher_counts_what_it_drops_over_curve(context, curve_server):
     assert asyncio.run(run()) == [(abort, client.public)]
     assert rejected(metrics, "malformed") == 1 and rejected(metrics, "version") == 1
     assert received(metrics) == 3
+
+
+def header(version: int = protocol.PROTOCOL_VERSION, kind: int = protocol.Kind.ABORT_ROOM) -> bytes:
+    return protocol.MAGIC + struct.pack("!HB", version, kind)
 
 
 def rejected(metrics: ServiceMetrics, kind: str) -> float:
@@ -272,9 +277,9 @@ def test_the_dispatcher_hands_on_what_decodes():
     ("frames", "kind"),
     [
         ([b"garbage"], "malformed"),
-        ([b"KVRM\x00\x01\x03", b"\x80"], "version"),
-        ([b"KVRM\x00\x02\x63", b"\x80"], "unknown_type"),
-        ([b"KVRM\x00\x02\x03", b"\x00" * (protocol.MAX_BODY_BYTES + 1)], "oversized"),
+        ([header(protocol.PROTOCOL_VERSION - 1), b"\x80"], "version"),
+        ([header(kind=0x63), b"\x80"], "unknown_type"),
+        ([header(), b"\x00" * (protocol.MAX_BODY_BYTES + 1)], "oversized"),
     ],
 )
 def test_the_dispatcher_counts_frames_that_do_not_decode_by_kind(frames, kind):
@@ -303,7 +308,7 @@ def test_the_dispatcher_counts_refusals_by_their_kind_and_bugs_as_internal(caplo
 def test_a_dropped_frame_is_logged_with_the_room_it_names(caplog):
     metrics = ServiceMetrics("test")
     body = protocol.encode(protocol.AbortRoom(room=31, rank=0, reason="x"))[1]
-    bad_rank = [b"KVRM\x00\x02\x03", body.replace(b"\xa4rank\x00", b"\xa4rank\xcd\x03\xe7")]
+    bad_rank = [header(), body.replace(b"\xa4rank\x00", b"\xa4rank\xcd\x03\xe7")]
     with caplog.at_level(logging.WARNING, logger="shared.zmq_io"):
         dispatcher(lambda *a: None, metrics)(bad_rank, None)
     assert rejected(metrics, "malformed") == 1
