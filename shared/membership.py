@@ -29,7 +29,10 @@ log = logging.getLogger(__name__)
 
 # How long room state changes are gathered before they go to the bootstrap in one
 # message: briefly for a room that ended, longer for progress, which no one waits on
-# and which would otherwise wake the bootstrap in the middle of most KV writes.
+# and which would otherwise wake the bootstrap in the middle of most KV writes. A room
+# that finished (what a client waits for) goes at the end of the loop's turn, unless a
+# message went less than REPORT_DELAY_S ago: then once that much has passed. A lone room
+# waits for nothing; under load one message still carries many rooms.
 REPORT_DELAY_S = 0.002
 PROGRESS_REPORT_DELAY_S = 0.05
 TOKEN_DELAY_S = 0.002
@@ -79,6 +82,7 @@ class Membership:
         self._json = {**self.auth, "content-type": "application/json"}
         self._pending_reports: dict[int, Room] = {}
         self._report_due = float("inf")  # loop time of the next flush; inf when none is set
+        self._flushed_at = float("-inf")  # loop time of the last flush
         self._report_timer: asyncio.Handle | None = None
         self._pending_tokens: list[protocol.TokenChunk] = []
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -99,8 +103,11 @@ class Membership:
         """
         assert self.loop is not None
         self._pending_reports[room.id] = room
-        terminal = room.state.terminal or room.outcome is not None
-        due = self.loop.time() + (REPORT_DELAY_S if terminal else PROGRESS_REPORT_DELAY_S)
+        now = self.loop.time()
+        if room.finished:
+            due = max(now, self._flushed_at + REPORT_DELAY_S)
+        else:
+            due = now + (REPORT_DELAY_S if room.state.terminal else PROGRESS_REPORT_DELAY_S)
         self._schedule(due)
 
     def tokens(self, room: int, offset: int, tokens: list[int]) -> None:
@@ -118,8 +125,10 @@ class Membership:
         self._report_timer = self.loop.call_at(due, self.flush)
 
     def flush(self) -> None:
+        assert self.loop is not None
         self._report_due = float("inf")
         self._report_timer = None
+        self._flushed_at = self.loop.time()
         if self._report_to is None:
             return  # kept until we know where reports go
         _, endpoint, key = self._report_to

@@ -1,0 +1,80 @@
+"""When a node's room reports leave for the bootstrap: a finished room at the end of the turn,
+at most one such message every REPORT_DELAY_S; a transfer's end soon; progress later."""
+
+import asyncio
+
+from prefill_node.settings import PrefillSettings
+from shared import membership, protocol
+from shared.membership import Membership
+from shared.room import Room
+from shared.states import RoomState
+
+
+def reports_of(sent: list[list[bytes]]) -> list[list[tuple[int, int, str | None]]]:
+    out = []
+    for frames in sent:
+        msg, _ = protocol.decode(frames)
+        assert isinstance(msg, protocol.RoomReports)
+        out.append([(r.room, r.state, r.outcome) for r in msg.reports])
+    return out
+
+
+def make(sent: list[list[bytes]]) -> Membership:
+    m = Membership(
+        PrefillSettings(zmq_security="plain"),
+        "n",
+        lambda: None,  # type: ignore[arg-type,return-value]
+        lambda: None,  # type: ignore[arg-type,return-value]
+        lambda endpoint, key, frames: sent.append(frames) or True,
+        lambda: [],
+        lambda rooms: None,
+    )
+    m._report_to = ("b", "tcp://127.0.0.1:1", "")
+    m.loop = asyncio.get_running_loop()
+    return m
+
+
+def finished(room_id: int) -> Room:
+    room = Room(room_id)
+    room.advance_to(RoomState.SUCCESS)
+    room.end("completed")
+    return room
+
+
+def test_a_lone_finished_room_leaves_at_the_end_of_the_turn_and_a_burst_waits():
+    async def main() -> None:
+        sent: list[list[bytes]] = []
+        m = make(sent)
+        m.report(finished(1))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert reports_of(sent) == [[(1, 4, "completed")]]  # no timer waited for
+        m.report(finished(2))  # right after a message: held until REPORT_DELAY_S has passed
+        assert m._report_due >= m._flushed_at + membership.REPORT_DELAY_S
+        m.report(finished(3))
+        await asyncio.sleep(membership.REPORT_DELAY_S * 3)
+        assert len(sent) == 2
+        assert reports_of(sent)[1] == [(2, 4, "completed"), (3, 4, "completed")]
+
+    asyncio.run(main())
+
+
+def test_progress_waits_longer_than_an_end(monkeypatch):
+    monkeypatch.setattr(membership, "PROGRESS_REPORT_DELAY_S", 10.0)
+
+    async def main() -> None:
+        sent: list[list[bytes]] = []
+        m = make(sent)
+        room = Room(4)
+        room.advance_to(RoomState.TRANSFERRING)
+        m.report(room)
+        await asyncio.sleep(membership.REPORT_DELAY_S * 3)
+        assert sent == []
+        room.advance_to(RoomState.SUCCESS)  # the transfer ended; the room has not finished
+        m.report(room)
+        await asyncio.sleep(0)
+        assert sent == []
+        await asyncio.sleep(membership.REPORT_DELAY_S * 3)
+        assert reports_of(sent) == [[(4, 4, None)]]
+
+    asyncio.run(main())
