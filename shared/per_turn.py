@@ -23,9 +23,7 @@ class PerTurn(Generic[T]):
 
     def add(self, peer: protocol.PeerRank, item: T) -> None:
         if not self._pending:
-            loop = asyncio.get_running_loop()
-            loop.call_soon(self.flush)
-            self._flushed = loop.create_future()
+            asyncio.get_running_loop().call_soon(self.flush)
         key = (peer.zmq_endpoint, peer.public_key)
         if key not in self._pending:
             self._pending[key] = (peer, [])
@@ -33,8 +31,11 @@ class PerTurn(Generic[T]):
 
     async def flushed(self) -> None:
         """Until what was added this turn has been handed to ``send``."""
-        if self._flushed is not None:
-            await asyncio.shield(self._flushed)
+        if not self._pending:
+            return
+        if self._flushed is None:  # made only for a turn someone waits on
+            self._flushed = asyncio.get_running_loop().create_future()
+        await asyncio.shield(self._flushed)
 
     def flush(self) -> None:
         pending, self._pending = self._pending, {}

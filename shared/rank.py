@@ -187,31 +187,23 @@ class RankService(abc.ABC):
 
     def on_message(self, msg: protocol.Message, aux: memoryview | None, sender: str | None) -> None:
         """Everything that reaches this rank's network socket."""
+        batch: list[protocol.PrefillRoom | protocol.DecodeRoom | protocol.AbortRoom]
         if isinstance(msg, protocol.Assignments):
-            if not self.node.is_bootstrap(sender):
-                raise RejectedMessage(
-                    f"assignments from {sender or 'an unknown sender'}, not the bootstrap",
-                    kind="unauthorized",
-                )
-            batch: list[protocol.PrefillRoom | protocol.DecodeRoom | protocol.AbortRoom] = [
-                *msg.prefill_rooms,
-                *msg.decode_rooms,
-                *msg.aborts,
-            ]
-            self.take_each(batch, self.node.assign)
-            return
-        if isinstance(msg, (protocol.PrefillRoom, protocol.DecodeRoom)) or (
+            batch = [*msg.prefill_rooms, *msg.decode_rooms, *msg.aborts]
+        elif isinstance(msg, (protocol.PrefillRoom, protocol.DecodeRoom)) or (
             isinstance(msg, protocol.AbortRoom) and self.node.is_bootstrap(sender)
         ):
-            if not self.node.is_bootstrap(sender):
-                raise RejectedMessage(
-                    f"{type(msg).__name__} from {sender or 'an unknown sender'}, not the bootstrap",
-                    room=msg.room,
-                    kind="unauthorized",
-                )
-            self.node.assign(msg)
+            batch = [msg]
+        else:
+            self.handle_peer(msg, aux, sender)
             return
-        self.handle_peer(msg, aux, sender)
+        if not self.node.is_bootstrap(sender):
+            raise RejectedMessage(
+                f"{type(msg).__name__} from {sender or 'an unknown sender'}, not the bootstrap",
+                room=batch[0].room if batch else None,
+                kind="unauthorized",
+            )
+        self.take_each(batch, self.node.assign)
 
     def take_each(self, items: Sequence[Item], take: Callable[[Item], None]) -> None:
         """Hand each item of a batch to ``take``, as if it came alone: one refused is counted and
