@@ -26,6 +26,7 @@ import httpx
 from bench.http_load import Connection
 from bench.raw import RawPair
 from bench.report import write_report
+from bench.zmq_pair import ZmqPair
 from bootstrap.settings import BootstrapSettings
 from launcher.local_stack import LocalStack, Service
 from shared.heap import freeze_startup_heap
@@ -169,11 +170,13 @@ class Bench:
 
     def transfer(self, sizes_kib: list[int]) -> list[dict[str, Any]]:
         """A room (decode's transfer request to SUCCESS) against the raw engine writing the same
-        bytes in the same writes: blocking, and submitted and polled as the nodes wait over TCP."""
+        bytes in the same writes: blocking, and submitted and polled as the nodes wait over TCP;
+        and two bare ZMQ messages, the least the room's request and done+aux could cost."""
         layout = layout_of(BIG)
         pool = max(sizes_kib) * KIB + 8 * layout.page_bytes
         stack = self.stack("transfer", node_args(BIG, pool), node_args(BIG, pool))
         raw = RawPair(pool)
+        messages = ZmqPair()
         rows = []
         try:
             with stack.client() as client:
@@ -187,6 +190,7 @@ class Bench:
                             "kvroom": lambda tokens=tokens: self.room(client, tokens),
                             "raw": lambda m=moved, c=count: raw.write(m, c),
                             "raw_polled": lambda m=moved, c=count: raw.write(m, c, polled=True),
+                            "messages": messages.round_trip,
                         },
                         self.runs,
                     )
@@ -200,6 +204,7 @@ class Bench:
                             "raw_ms": ms(statistics.median(samples["raw"])),
                             "raw_polled_ms": ms(statistics.median(samples["raw_polled"])),
                             "added_ms": ms(paired_median(ours, samples["raw_polled"])),
+                            "messages_ms": ms(statistics.median(samples["messages"])),
                             # kvroom's bytes/s over raw polled's, neighbour by neighbour
                             "speed_vs_polled": statistics.median(
                                 p / o for p, o in zip(samples["raw_polled"], ours, strict=True)
@@ -209,6 +214,7 @@ class Bench:
                     )
         finally:
             raw.close()
+            messages.close()
         return rows
 
     # -- what CURVE and verified KV cost ---------------------------------------------------
