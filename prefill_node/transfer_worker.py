@@ -1,11 +1,13 @@
 """One thread that runs every KV write of a prefill rank, and sends each done+aux.
 
-Writes run one after another here: several at once would take the cores that
-the engine's own threads, the receiving side and the event loops on the same
-host need (a blocking engine call spins a core; over TCP the wait sleeps
-between polls, but moving the bytes still costs CPU on both sides). Done+aux
-leaves from this thread the moment the write returned, with no event loop
-between "bytes landed" and "decode told".
+One thread, not a pool: several threads waiting at once would take the cores
+that the engine's own threads, the receiving side and the event loops on the
+same host need (a blocking engine call spins a core). The rooms queued when the
+thread takes its next task have their writes handed to the engine together, up
+to ``TOGETHER_BYTES``: a small write costs far more than its bytes, and the
+engine overlaps those costs. Done+aux leaves from this thread the moment the
+room's writes completed, with no event loop between "bytes landed" and "decode
+told".
 
 A write that gave up while some of it may still move is quarantined: the
 thread keeps asking the engine about it between tasks, and says when nothing
@@ -18,7 +20,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import msgspec
 import zmq
@@ -28,13 +30,16 @@ from shared.errors import TransferError
 from shared.kv_layout import Write
 from shared.kv_pool import KVPool
 from shared.security import Security
-from shared.transfer import WRITE_TIMEOUT_S, TransferEngine, WriteUnresolved
+from shared.transfer import MAX_IN_FLIGHT, WRITE_TIMEOUT_S, TransferEngine, WriteJob, WriteUnresolved
 from shared.zmq_io import PushSockets
 
 log = logging.getLogger(__name__)
 
 # How often quarantined writes are asked about while no task comes.
 QUARANTINE_POLL_S = 0.05
+# Queued rooms go to the engine together while their bytes stay within this. Larger writes
+# are bound by bandwidth: running them together would only delay the first room's done.
+TOGETHER_BYTES = 2 << 20
 
 
 @dataclasses.dataclass
@@ -56,6 +61,10 @@ class TransferTask:
     done: protocol.KvDone  # completed_at, bytes_written and digests are filled in by the worker
     aux: bytes
     digests: Digests | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(length for _, _, length in self.writes)
 
 
 @dataclasses.dataclass
@@ -115,50 +124,109 @@ class TransferWorker:
         self._context.term()
 
     def _run(self) -> None:
+        held: TransferTask | None = None  # taken from the queue, but not room for it in the last batch
         while True:
-            try:
-                task = self._queue.get(timeout=QUARANTINE_POLL_S if self._quarantine else None)
-            except queue.Empty:
-                self._poll_quarantine()
-                continue
+            if held is not None:
+                task: TransferTask | None = held
+            else:
+                try:
+                    task = self._queue.get(timeout=QUARANTINE_POLL_S if self._quarantine else None)
+                except queue.Empty:
+                    self._poll_quarantine()
+                    continue
             if task is None:
                 return
-            self._on_finished(self._transfer(task))
+            batch, held = self._batch(task)
+            for outcome in self._transfer(batch):
+                self._on_finished(outcome)
             self._poll_quarantine()
 
-    def _transfer(self, task: TransferTask) -> TransferOutcome:
-        outcome = TransferOutcome(task)
-        if task.room in self._cancelled:
-            outcome.cancelled = True
-            return outcome
-        try:
-            digests = None
-            if task.digests is not None:
-                d = task.digests
-                digests = kv_digest.page_digests(d.pool, d.pages, d.offset, d.length)
-            outcome.started_at, started = time.time(), time.perf_counter()
-            outcome.written = self._engine.write(task.peer.session_id, task.writes, self._write_timeout_s)
-            outcome.seconds = time.perf_counter() - started
+    def _batch(self, first: TransferTask) -> tuple[list[TransferTask], TransferTask | None]:
+        """``first`` and the tasks queued behind it, while they fit together; and the next one,
+        taken but left for the next batch (None: the stop, which then comes after this batch)."""
+        batch, nbytes, writes = [first], first.nbytes, len(first.writes)
+        while nbytes < TOGETHER_BYTES:
+            try:
+                task = self._queue.get_nowait()
+            except queue.Empty:
+                return batch, None
+            if task is None:
+                self._queue.put(None)
+                return batch, None
+            nbytes, writes = nbytes + task.nbytes, writes + len(task.writes)
+            if nbytes > TOGETHER_BYTES or writes > MAX_IN_FLIGHT:
+                return batch, task
+            batch.append(task)
+        return batch, None
+
+    def _transfer(self, tasks: list[TransferTask]) -> Iterator[TransferOutcome]:
+        """Each task's outcome, in order, as soon as its writes ended."""
+        live: list[tuple[TransferOutcome, list[int] | None]] = []
+        for task in tasks:
+            outcome = TransferOutcome(task)
             if task.room in self._cancelled:
                 outcome.cancelled = True
-                return outcome
+                yield outcome
+                continue
+            try:
+                digests = None
+                if task.digests is not None:
+                    d = task.digests
+                    digests = kv_digest.page_digests(d.pool, d.pages, d.offset, d.length)
+            except Exception as exc:  # never let one room end the worker
+                log.exception("room=%d transfer worker failed", task.room, extra={"room": task.room})
+                outcome.error = repr(exc)
+                yield outcome
+                continue
+            live.append((outcome, digests))
+        jobs = [WriteJob(o.task.peer.session_id, o.task.writes, self._write_timeout_s) for o, _ in live]
+        started_at, started = time.time(), time.perf_counter()
+        results = self._engine.write_together(jobs)
+        broken = None  # the engine's binding itself failed: every room left in the batch fails
+        for outcome, digests in live:
+            outcome.started_at = started_at
+            if broken is None:
+                try:
+                    result = next(results)
+                except Exception as exc:
+                    room = outcome.task.room
+                    log.exception("room=%d transfer worker failed", room, extra={"room": room})
+                    broken = repr(exc)
+            if broken is not None:
+                outcome.error = broken
+            else:
+                outcome.seconds = time.perf_counter() - started
+                self._finish(outcome, result, digests)
+            yield outcome
+
+    def _finish(
+        self, outcome: TransferOutcome, result: int | TransferError, digests: list[int] | None
+    ) -> None:
+        """Send done+aux for a task whose writes ended, or record why not."""
+        task = outcome.task
+        if isinstance(result, WriteUnresolved):
+            outcome.error = str(result)
+            outcome.unresolved = True
+            if result.pending:  # else the engine gives no way to ask: the room's lease decides
+                self._quarantine[(task.room, task.decode_rank)] = result.pending
+            return
+        if isinstance(result, TransferError):
+            outcome.error = str(result)
+            return
+        outcome.written = result
+        if task.room in self._cancelled:
+            outcome.cancelled = True
+            return
+        try:
             outcome.done_at = time.time()
             done = msgspec.structs.replace(
                 task.done, bytes_written=outcome.written, completed_at=outcome.done_at, digests=digests
             )
             frames = protocol.encode(done, task.aux)
             outcome.sent = self._push.send(task.peer.zmq_endpoint, task.peer.public_key, frames)
-        except WriteUnresolved as exc:
-            outcome.error = str(exc)
-            outcome.unresolved = True
-            if exc.pending:  # else the engine gives no way to ask: the room's lease decides
-                self._quarantine[(task.room, task.decode_rank)] = exc.pending
-        except TransferError as exc:
-            outcome.error = str(exc)
         except Exception as exc:  # never let one room end the worker
             log.exception("room=%d transfer worker failed", task.room, extra={"room": task.room})
             outcome.error = repr(exc)
-        return outcome
 
     def _poll_quarantine(self) -> None:
         # Only this thread touches the quarantine.

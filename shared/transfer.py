@@ -8,8 +8,8 @@ import collections
 import logging
 import os
 import time
-from collections.abc import Iterable, MutableMapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, MutableMapping, Sequence
+from dataclasses import dataclass, field
 from typing import Literal
 
 from shared.errors import TransferError
@@ -87,6 +87,15 @@ def write_deadline(total_bytes: int, timeout_s: float) -> float:
     return time.monotonic() + timeout_s + total_bytes / 1e9
 
 
+@dataclass(frozen=True)
+class WriteJob:
+    """The arguments of one ``TransferEngine.write``."""
+
+    peer_session: str
+    writes: Sequence[Write]
+    timeout_s: float = WRITE_TIMEOUT_S
+
+
 class TransferEngine(abc.ABC):
     """Moves bytes from local registered memory into a peer's registered memory."""
 
@@ -111,6 +120,19 @@ class TransferEngine(abc.ABC):
         WriteUnresolved if it gave up after ``timeout_s`` (plus a second per
         GB) while some may still move. Must not run on an event loop.
         """
+
+    def write_together(self, jobs: Sequence[WriteJob]) -> Iterator[int | TransferError]:
+        """Several calls of ``write`` at once, where the engine can have them all out together.
+
+        Yields, for each job in order, what its ``write`` would have returned,
+        or the TransferError it would have raised. By default the jobs run one
+        after another.
+        """
+        for job in jobs:
+            try:
+                yield self.write(job.peer_session, job.writes, job.timeout_s)
+            except TransferError as exc:
+                yield exc
 
     def unresolved(self, pending: list[int]) -> list[int]:
         """Of the writes a WriteUnresolved named, those still not finished; asking frees the rest."""
@@ -209,20 +231,55 @@ class MooncakeEngine(TransferEngine):
                 error = "the engine refused the write"
                 break
             in_flight.append(batch_id)
+        return self._settle(_Submitted(peer_session, len(batch), total, deadline, in_flight, error))
+
+    def write_together(self, jobs: Sequence[WriteJob]) -> Iterator[int | TransferError]:
+        """Over TCP, every job's writes are submitted before any is waited for.
+
+        A small write costs far more than its bytes (a few hundred microseconds
+        here for 64 KiB), and the engine's threads overlap those costs when
+        several writes are out: eight rooms' writes together finished in a
+        quarter of the time one after another. Each job is then waited for in
+        order, as ``write_polled`` waits, so none is still reading our pages
+        once its outcome is yielded, unless it is a WriteUnresolved.
+        """
+        if not self._polled or len(jobs) < 2 or sum(len(j.writes) for j in jobs) > MAX_IN_FLIGHT:
+            yield from super().write_together(jobs)
+            return
+        submitted = []
+        for job in jobs:
+            total = sum(length for _, _, length in job.writes)
+            out = _Submitted(job.peer_session, len(job.writes), total, write_deadline(total, job.timeout_s))
+            for src, dst, length in job.writes:
+                batch_id = self._engine.transfer_submit_write(job.peer_session, src, dst, length)
+                if batch_id in _NO_BATCH:
+                    out.error = "the engine refused the write"
+                    break
+                out.in_flight.append(batch_id)
+            submitted.append(out)
+        for out in submitted:
+            try:
+                yield self._settle(out)
+            except TransferError as exc:
+                yield exc
+
+    def _settle(self, out: "_Submitted") -> int:
+        """Wait for every write still out; the bytes written, or why not."""
         unresolved = []
-        for batch_id in in_flight:
-            outcome = self._wait(batch_id, deadline)
+        error = out.error
+        for batch_id in out.in_flight:
+            outcome = self._wait(batch_id, out.deadline)
             if outcome == "timed out":
                 unresolved.append(batch_id)
             error = error or outcome
         if unresolved:
             raise WriteUnresolved(
-                f"{len(unresolved)} of {len(batch)} writes to {peer_session} still out after the deadline",
+                f"{len(unresolved)} of {out.count} writes to {out.peer_session} still out after the deadline",
                 unresolved,
             )
         if error is not None:
-            raise TransferError(f"write of {len(batch)} entries to {peer_session}: {error}")
-        return total
+            raise TransferError(f"write of {out.count} entries to {out.peer_session}: {error}")
+        return out.total
 
     def _wait(self, batch_id: int, deadline: float) -> str | None:
         """None once the write completed, else why not."""
@@ -235,3 +292,15 @@ class MooncakeEngine(TransferEngine):
     def unresolved(self, pending: list[int]) -> list[int]:
         # Completed (1) and failed (-1) are the statuses after which the engine frees the id.
         return [b for b in pending if self._engine.transfer_check_status(b) not in (1, -1)]
+
+
+@dataclass
+class _Submitted:
+    """One job's writes once submitted: those still out, and the first failure."""
+
+    peer_session: str
+    count: int
+    total: int
+    deadline: float
+    in_flight: collections.deque[int] = field(default_factory=collections.deque)
+    error: str | None = None

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from shared.errors import TransferError
-from shared.transfer import MAX_IN_FLIGHT, MooncakeEngine
+from shared.transfer import MAX_IN_FLIGHT, MooncakeEngine, WriteJob
 
 REGION = 4 << 20
 
@@ -94,3 +94,18 @@ def test_a_write_to_a_peer_that_died_fails(sender, peer):
     peer.process.join(10)
     with pytest.raises(TransferError):
         engine.write_polled(peer.session, [(source.data_ptr(), peer.base, 1 << 20)])
+
+
+def test_jobs_written_together_land_and_one_that_fails_fails_alone(sender, peer):
+    engine, source = sender
+    src = source.data_ptr()
+    jobs = [
+        WriteJob(peer.session, [(src + 4096, peer.base + 4096, 4096), (src + 8192, peer.base + 8192, 4096)]),
+        WriteJob(peer.session, [(src, peer.base + REGION - 100, 4096)]),  # past the peer's end
+        WriteJob(peer.session, [(src + 3 * 4096, peer.base + 3 * 4096, 1 << 20)]),
+    ]
+    first, failed, third = engine.write_together(jobs)
+    assert (first, third) == (8192, 1 << 20)
+    assert isinstance(failed, TransferError)
+    for offset in (4096, 8192, 3 * 4096, 3 * 4096 + (1 << 20) - 4096):
+        assert peer.page(offset) == expected(source, offset)

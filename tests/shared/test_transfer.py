@@ -12,6 +12,7 @@ from shared.transfer import (
     MAX_BATCH_ENTRIES,
     MAX_IN_FLIGHT,
     MooncakeEngine,
+    WriteJob,
     WriteUnresolved,
     engine_setup,
 )
@@ -230,3 +231,47 @@ def test_a_failed_blocking_write_is_unresolved_and_stops():
         scripted_engine(binding, polled=False).write("peer", writes)
     assert info.value.pending == []  # the blocking call's ids cannot be asked after
     assert binding.calls == [("batch", MAX_BATCH_ENTRIES)]
+
+
+def test_jobs_together_are_all_submitted_before_any_is_waited_for():
+    binding = ScriptedBinding()
+    jobs = [
+        WriteJob("peer", [(0, 0, 10)] * 2),
+        WriteJob("peer", [(0, 0, 5)] * 3),
+        WriteJob("peer", [(0, 0, 1)]),
+    ]
+    assert list(scripted_engine(binding).write_together(jobs)) == [20, 15, 1]
+    assert binding.most_in_flight == 6
+    assert binding.finished == set(binding.submitted)
+
+
+def test_a_job_that_fails_together_with_others_fails_alone():
+    binding = ScriptedBinding(fail_at=1)  # the second write of the first job
+    jobs = [WriteJob("peer", [(0, 0, 10)] * 2), WriteJob("peer", [(0, 0, 10)])]
+    first, second = scripted_engine(binding).write_together(jobs)
+    assert isinstance(first, TransferError) and not isinstance(first, WriteUnresolved)
+    assert second == 10
+    assert binding.finished == set(binding.submitted)  # the failed job's other write was waited for
+
+
+def test_a_job_stuck_together_with_others_is_unresolved_alone():
+    binding = ScriptedBinding(stuck=frozenset({1}), pending_looks=0)
+    jobs = [
+        WriteJob("peer", [(0, 0, 10)]),
+        WriteJob("peer", [(0, 0, 10)] * 2, 0.01),
+        WriteJob("peer", [(0, 0, 1)]),
+    ]
+    first, second, third = scripted_engine(binding).write_together(jobs)
+    assert first == 10 and third == 1
+    assert isinstance(second, WriteUnresolved) and second.pending == [1001]
+
+
+def test_jobs_past_the_window_or_on_the_blocking_path_run_one_after_another():
+    binding = ScriptedBinding()
+    jobs = [WriteJob("peer", [(0, 0, 1)] * MAX_IN_FLIGHT), WriteJob("peer", [(0, 0, 1)] * 2)]
+    assert list(scripted_engine(binding).write_together(jobs)) == [MAX_IN_FLIGHT, 2]
+    assert binding.most_in_flight == MAX_IN_FLIGHT
+    blocking = BlockingBinding()
+    jobs = [WriteJob("peer", [(0, 0, 3)]), WriteJob("peer", [(0, 0, 3)] * 2)]
+    assert list(scripted_engine(blocking, polled=False).write_together(jobs)) == [3, 6]
+    assert blocking.calls == [("one", 1), ("batch", 2)]
