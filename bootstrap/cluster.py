@@ -43,6 +43,10 @@ log = logging.getLogger(__name__)
 # Between two looks for dead nodes and rooms past their deadline.
 REAP_INTERVAL_S = 0.25
 DEADLINE_INTERVAL_S = 2.0
+# A placed room no node has said a word about after this lost its assignments (a bootstrap
+# killed while they still sat in its ZMQ I/O thread): they are sent again. A node that has
+# the room drops the copy as a duplicate; a node reports a room within a fraction of this.
+UNHEARD_S = 2.0
 
 
 class NoLiveNode(Exception):
@@ -351,7 +355,7 @@ class Cluster:
         room_id = rooms.new_id()
         prefill, decode = await self._placed(room_id, len(input_ids), max_new_tokens, set())
         room = RoomData(room_id, input_ids, max_new_tokens, stop, stream, time.time())
-        room.attempts = [Attempt(room_id, prefill.id, decode.id)]
+        room.attempts = [Attempt(room_id, prefill.id, decode.id, placed_at=time.time())]
         room.timestamps = {RoomState.BOOTSTRAPPING.name: room.created}
         room.decode_pages = self._pages(decode, len(input_ids), max_new_tokens)
         room.prefill_pages = self._pages(prefill, len(input_ids), max_new_tokens)
@@ -451,6 +455,7 @@ class Cluster:
             if r.done:
                 return False
             r.attempt.transfer, r.attempt.prefill, r.attempt.decode = transfer, prefill.id, decode.id
+            r.attempt.placed_at = time.time()
             r.decode_pages, r.prefill_pages = decode_pages, prefill_pages
             return True
 
@@ -598,7 +603,7 @@ class Cluster:
                 await self.reap_dead_nodes()
                 if time.monotonic() - last_deadline > DEADLINE_INTERVAL_S:
                     last_deadline = time.monotonic()
-                    await self._end_late_rooms()
+                    await self._check_in_flight()
                 if self.healthy is not None:
                     log.warning("the store is back: nodes report their rooms again")
                     await self.store.epoch(renew=True)
@@ -609,12 +614,35 @@ class Cluster:
                 self.healthy = str(exc)
             await asyncio.sleep(REAP_INTERVAL_S)
 
-    async def _end_late_rooms(self) -> None:
-        limit = time.time() - self.settings.room_deadline_s
+    async def _check_in_flight(self) -> None:
+        """End the rooms past their deadline; send again the assignments no node has heard of."""
+        now = time.time()
         for room_id in await self.store.in_flight():
             room = await self.store.room(room_id)
-            if room is not None and not room.done and room.created < limit:
+            if room is None or room.done:
+                continue
+            if room.created < now - self.settings.room_deadline_s:
                 await self._fail(room_id, FailureReason.DEADLINE, final=True)
+            elif self._unheard(room, now):
+                await self._assign_again(room)
+
+    @staticmethod
+    def _unheard(room: RoomData, now: float) -> bool:
+        attempt = room.attempt
+        unreported = room.state == RoomState.BOOTSTRAPPING and not attempt.node_states
+        return unreported and 0 < attempt.placed_at < now - UNHEARD_S
+
+    async def _assign_again(self, room: RoomData) -> None:
+        prefill, decode = await self.node(room.attempt.prefill), await self.node(room.attempt.decode)
+        if prefill is None or decode is None or prefill.data.dead or decode.data.dead:
+            return  # the dead node's rooms are failed or placed again where it is reaped
+        log.warning(
+            "room=%d no node has reported on it: its assignments are sent again",
+            room.room,
+            extra={"room": room.room},
+        )
+        self.metrics.resent_assignments.inc()
+        self._assign(room, prefill, decode)
 
     async def start(self) -> None:
         self._started = time.monotonic()

@@ -35,6 +35,7 @@ class Attempt(msgspec.Struct):
     state: int = 1
     reason: str | None = None
     node_states: dict[str, dict[str, object]] = {}
+    placed_at: float = 0.0  # wall clock when its assignments were sent
 
 
 class RoomData(msgspec.Struct):

@@ -100,6 +100,11 @@ class ServiceMetrics:
                 ["reason"],
                 registry=r,
             )
+            self.resent_assignments = Counter(
+                "kvroom_room_assignments_resent_total",
+                "Placed rooms whose assignments were sent again, no node having reported on them",
+                registry=r,
+            )
 
     def transitioned(self, state: str) -> None:
         """Count a room's transition into ``state``."""

@@ -54,3 +54,27 @@ def test_a_room_past_its_deadline_ends_failed_and_both_nodes_are_told():
         for node in (prefill, decode):
             node.sock.close(0)
         context.term()
+
+
+def test_a_room_no_node_reports_on_has_its_assignments_sent_again():
+    """Assignments can be lost (a bootstrap killed while they sat in its ZMQ I/O thread): a room
+    neither node has said a word about is assigned again, the same transfer to the same nodes."""
+    context = zmq.Context()
+    prefill, decode = SilentNode(context), SilentNode(context)
+    try:
+        with make_client(room_deadline_s=60.0, node_ttl_s=60.0) as client:
+            for node, (node_id, role) in ((prefill, ("p0", "prefill")), (decode, ("d0", "decode"))):
+                joined = client.post("/nodes", json=node.registration(node_id, role), headers=AUTH)
+                assert joined.status_code == 201
+            room = client.post("/rooms", json={"prompt": "lost", "max_new_tokens": 3}).json()["room"]
+            for node, placed in ((prefill, protocol.PrefillRoom), (decode, protocol.DecodeRoom)):
+                first = node.messages(until=placed)
+                again = node.messages(until=placed)
+                assert first == again and [type(m) for m in first] == [placed]
+                assert first[0].room == room  # the first attempt's transfer id is the room's
+            assert client.get(f"/rooms/{room}").json()["state"] == "BOOTSTRAPPING"
+            assert "kvroom_room_assignments_resent_total 0.0" not in client.get("/metrics").text
+    finally:
+        for node in (prefill, decode):
+            node.sock.close(0)
+        context.term()
