@@ -162,15 +162,13 @@ async def receive_forever(
         if sock.closed:  # a drain scheduled before shutdown
             return
         batch: list[Received] = []
-        for _ in range(RECEIVE_BATCH):
-            try:
-                if authenticated:
-                    frames: list[Any] = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                    batch.append((frames, frames[0].get("User-Id")))
-                else:
-                    batch.append((sock.recv_multipart(zmq.NOBLOCK), None))
-            except zmq.Again:
-                break
+        # Asking for POLLIN, rather than reading until zmq.Again, also re-arms the edge.
+        while len(batch) < RECEIVE_BATCH and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            if authenticated:
+                frames: list[Any] = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                batch.append((frames, frames[0].get("User-Id")))
+            else:
+                batch.append((sock.recv_multipart(zmq.NOBLOCK), None))
         if urgent is not None:
             batch.sort(key=lambda item: not urgent(item[0]))  # stable: otherwise arrival order
         for frames, sender in batch:
