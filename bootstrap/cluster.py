@@ -47,6 +47,8 @@ DEADLINE_INTERVAL_S = 2.0
 # killed while they still sat in its ZMQ I/O thread): they are sent again. A node that has
 # the room drops the copy as a duplicate; a node reports a room within a fraction of this.
 UNHEARD_S = 2.0
+# Sent again this many times and still unheard: the attempt fails, and the room is placed again.
+MAX_RESENDS = 2
 
 
 class NoLiveNode(Exception):
@@ -623,26 +625,39 @@ class Cluster:
                 continue
             if room.created < now - self.settings.room_deadline_s:
                 await self._fail(room_id, FailureReason.DEADLINE, final=True)
-            elif self._unheard(room, now):
-                await self._assign_again(room)
+            elif rooms.unheard(room, now, UNHEARD_S):
+                await self._unheard(room)
 
-    @staticmethod
-    def _unheard(room: RoomData, now: float) -> bool:
+    async def _unheard(self, room: RoomData) -> None:
+        """Send the room's assignments again, or fail its attempt once they were sent again enough."""
         attempt = room.attempt
-        unreported = room.state == RoomState.BOOTSTRAPPING and not attempt.node_states
-        return unreported and 0 < attempt.placed_at < now - UNHEARD_S
-
-    async def _assign_again(self, room: RoomData) -> None:
-        prefill, decode = await self.node(room.attempt.prefill), await self.node(room.attempt.decode)
+        if attempt.resent >= MAX_RESENDS:
+            await self._fail(room.room, FailureReason.PEER_LOST)
+            return
+        prefill, decode = await self.node(attempt.prefill), await self.node(attempt.decode)
         if prefill is None or decode is None or prefill.data.dead or decode.data.dead:
             return  # the dead node's rooms are failed or placed again where it is reaped
+        resend = False
+
+        def change(r: RoomData) -> bool:
+            # Decided in the store: a room aborted, reported on or placed again meanwhile is left be.
+            nonlocal resend
+            now = time.time()
+            resend = r.attempt.transfer == attempt.transfer and rooms.unheard(r, now, UNHEARD_S)
+            if resend:
+                r.attempt.placed_at, r.attempt.resent = now, r.attempt.resent + 1
+            return resend
+
+        updated = await self.store.update_room(room.room, change)
+        if updated is None or not resend:
+            return
         log.warning(
             "room=%d no node has reported on it: its assignments are sent again",
             room.room,
             extra={"room": room.room},
         )
         self.metrics.resent_assignments.inc()
-        self._assign(room, prefill, decode)
+        self._assign(updated, prefill, decode)  # no await since the decision: nothing overtakes it
 
     async def start(self) -> None:
         self._started = time.monotonic()

@@ -38,6 +38,14 @@ def new_id() -> int:
     return secrets.randbelow(protocol.MAX_ROOM_ID) + 1
 
 
+def unheard(room: RoomData, now: float, after_s: float) -> bool:
+    """Whether the room's assignments went out over ``after_s`` ago and no node has reported on it
+    since: they may never have left a bootstrap that was killed."""
+    attempt = room.attempt
+    placed = 0 < attempt.placed_at < now - after_s
+    return placed and not room.done and room.state == RoomState.BOOTSTRAPPING and not attempt.node_states
+
+
 def advance(room: RoomData, state: RoomState, ts: float | None = None) -> None:
     """Move the room's current attempt to ``state`` if the table allows it; IllegalTransition otherwise."""
     room.state = check_transition(room.room, RoomState(room.state), state)

@@ -35,7 +35,8 @@ class Attempt(msgspec.Struct):
     state: int = 1
     reason: str | None = None
     node_states: dict[str, dict[str, object]] = {}
-    placed_at: float = 0.0  # wall clock when its assignments were sent
+    placed_at: float = 0.0  # wall clock when its assignments were last sent
+    resent: int = 0  # times they were sent again, no node having reported on it
 
 
 class RoomData(msgspec.Struct):

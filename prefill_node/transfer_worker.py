@@ -2,10 +2,10 @@
 
 One thread, not a pool: several threads waiting at once would take the cores
 that the engine's own threads, the receiving side and the event loops on the
-same host need (a blocking engine call spins a core). The rooms queued when the
-thread takes its next task have their writes handed to the engine together, up
-to ``TOGETHER_BYTES``: a small write costs far more than its bytes, and the
-engine overlaps those costs. Done+aux leaves from this thread the moment the
+same host need (a blocking engine call spins a core). Where the engine can have
+several rooms' writes out at once (over TCP), the rooms queued when the thread
+takes its next task go to it together, up to ``TOGETHER_BYTES``: a small write
+costs far more than its bytes, and the engine overlaps those costs. Done+aux leaves from this thread the moment the
 room's writes completed, with no event loop between "bytes landed" and "decode
 told".
 
@@ -142,10 +142,10 @@ class TransferWorker:
             self._poll_quarantine()
 
     def _batch(self, first: TransferTask) -> tuple[list[TransferTask], TransferTask | None]:
-        """``first`` and the tasks queued behind it, while they fit together; and the next one,
-        taken but left for the next batch (None: the stop, which then comes after this batch)."""
+        """``first`` and the tasks queued behind it while they fit together (only ``first`` where
+        the engine runs writes in turn); and the task taken that did not fit, for the next batch."""
         batch, nbytes, writes = [first], first.nbytes, len(first.writes)
-        while nbytes < TOGETHER_BYTES:
+        while self._engine.overlaps_writes and nbytes < TOGETHER_BYTES:
             try:
                 task = self._queue.get_nowait()
             except queue.Empty:
@@ -179,21 +179,27 @@ class TransferWorker:
                 yield outcome
                 continue
             live.append((outcome, digests))
+        if not live:
+            return
         jobs = [WriteJob(o.task.peer.session_id, o.task.writes, self._write_timeout_s) for o, _ in live]
         started_at, started = time.time(), time.perf_counter()
-        results = self._engine.write_together(jobs)
-        broken = None  # the engine's binding itself failed: every room left in the batch fails
+        broken = None  # the engine's binding itself failed: whatever it had out is unknown
+        try:
+            results = self._engine.write_together(jobs)
+        except Exception as exc:
+            broken = exc
         for outcome, digests in live:
             outcome.started_at = started_at
             if broken is None:
                 try:
                     result = next(results)
                 except Exception as exc:
-                    room = outcome.task.room
-                    log.exception("room=%d transfer worker failed", room, extra={"room": room})
-                    broken = repr(exc)
+                    broken = exc
             if broken is not None:
-                outcome.error = broken
+                # Its writes may still move, and the engine cannot be asked: the lease decides.
+                room = outcome.task.room
+                log.error("room=%d transfer engine failed: %r", room, broken, extra={"room": room})
+                outcome.error, outcome.unresolved = repr(broken), True
             else:
                 outcome.seconds = time.perf_counter() - started
                 self._finish(outcome, result, digests)

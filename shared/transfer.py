@@ -95,6 +95,10 @@ class WriteJob:
     writes: Sequence[Write]
     timeout_s: float = WRITE_TIMEOUT_S
 
+    @property
+    def nbytes(self) -> int:
+        return sum(length for _, _, length in self.writes)
+
 
 class TransferEngine(abc.ABC):
     """Moves bytes from local registered memory into a peer's registered memory."""
@@ -120,6 +124,11 @@ class TransferEngine(abc.ABC):
         WriteUnresolved if it gave up after ``timeout_s`` (plus a second per
         GB) while some may still move. Must not run on an event loop.
         """
+
+    @property
+    def overlaps_writes(self) -> bool:
+        """Whether ``write_together`` has several jobs' writes out at once (else it runs them in turn)."""
+        return False
 
     def write_together(self, jobs: Sequence[WriteJob]) -> Iterator[int | TransferError]:
         """Several calls of ``write`` at once, where the engine can have them all out together.
@@ -213,25 +222,11 @@ class MooncakeEngine(TransferEngine):
         this returns, unless the deadline passed: then WriteUnresolved names
         the writes still out.
         """
-        batch = list(writes)
-        total = sum(length for _, _, length in batch)
-        deadline = write_deadline(total, timeout_s)
-        in_flight: collections.deque[int] = collections.deque()
-        error = None
-        for src, dst, length in batch:
-            if len(in_flight) == MAX_IN_FLIGHT:
-                error = self._wait(in_flight[0], deadline)
-                if error == "timed out":
-                    break
-                in_flight.popleft()
-                if error is not None:
-                    break
-            batch_id = self._engine.transfer_submit_write(peer_session, src, dst, length)
-            if batch_id in _NO_BATCH:
-                error = "the engine refused the write"
-                break
-            in_flight.append(batch_id)
-        return self._settle(_Submitted(peer_session, len(batch), total, deadline, in_flight, error))
+        return self._settle(self._submit(WriteJob(peer_session, list(writes), timeout_s)))
+
+    @property
+    def overlaps_writes(self) -> bool:
+        return self._polled
 
     def write_together(self, jobs: Sequence[WriteJob]) -> Iterator[int | TransferError]:
         """Over TCP, every job's writes are submitted before any is waited for.
@@ -246,22 +241,30 @@ class MooncakeEngine(TransferEngine):
         if not self._polled or len(jobs) < 2 or sum(len(j.writes) for j in jobs) > MAX_IN_FLIGHT:
             yield from super().write_together(jobs)
             return
-        submitted = []
-        for job in jobs:
-            total = sum(length for _, _, length in job.writes)
-            out = _Submitted(job.peer_session, len(job.writes), total, write_deadline(total, job.timeout_s))
-            for src, dst, length in job.writes:
-                batch_id = self._engine.transfer_submit_write(job.peer_session, src, dst, length)
-                if batch_id in _NO_BATCH:
-                    out.error = "the engine refused the write"
-                    break
-                out.in_flight.append(batch_id)
-            submitted.append(out)
-        for out in submitted:
+        for out in [self._submit(job) for job in jobs]:
             try:
                 yield self._settle(out)
             except TransferError as exc:
                 yield exc
+
+    def _submit(self, job: WriteJob) -> "_Submitted":
+        """Submit the job's writes, at most MAX_IN_FLIGHT out at once (past that, each waits for
+        the oldest); a failure stops further submits."""
+        out = _Submitted(job, write_deadline(job.nbytes, job.timeout_s))
+        for src, dst, length in job.writes:
+            if len(out.in_flight) == MAX_IN_FLIGHT:
+                out.error = self._wait(out.in_flight[0], out.deadline)
+                if out.error == "timed out":
+                    break
+                out.in_flight.popleft()
+                if out.error is not None:
+                    break
+            batch_id = self._engine.transfer_submit_write(job.peer_session, src, dst, length)
+            if batch_id in _NO_BATCH:
+                out.error = "the engine refused the write"
+                break
+            out.in_flight.append(batch_id)
+        return out
 
     def _settle(self, out: "_Submitted") -> int:
         """Wait for every write still out; the bytes written, or why not."""
@@ -274,12 +277,13 @@ class MooncakeEngine(TransferEngine):
             error = error or outcome
         if unresolved:
             raise WriteUnresolved(
-                f"{len(unresolved)} of {out.count} writes to {out.peer_session} still out after the deadline",
+                f"{len(unresolved)} of {len(out.job.writes)} writes to {out.job.peer_session}"
+                " still out after the deadline",
                 unresolved,
             )
         if error is not None:
-            raise TransferError(f"write of {out.count} entries to {out.peer_session}: {error}")
-        return out.total
+            raise TransferError(f"write of {len(out.job.writes)} entries to {out.job.peer_session}: {error}")
+        return out.job.nbytes
 
     def _wait(self, batch_id: int, deadline: float) -> str | None:
         """None once the write completed, else why not."""
@@ -298,9 +302,7 @@ class MooncakeEngine(TransferEngine):
 class _Submitted:
     """One job's writes once submitted: those still out, and the first failure."""
 
-    peer_session: str
-    count: int
-    total: int
+    job: WriteJob
     deadline: float
     in_flight: collections.deque[int] = field(default_factory=collections.deque)
     error: str | None = None

@@ -12,7 +12,7 @@ import collections
 import contextlib
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -162,13 +162,16 @@ async def receive_forever(
         if sock.closed:  # a drain scheduled before shutdown
             return
         batch: list[Received] = []
-        # Asking for POLLIN, rather than reading until zmq.Again, also re-arms the edge.
-        while len(batch) < RECEIVE_BATCH and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            if authenticated:
-                frames: list[Any] = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                batch.append((frames, frames[0].get("User-Id")))
-            else:
-                batch.append((sock.recv_multipart(zmq.NOBLOCK), None))
+        # Asking for POLLIN, cheaper than reading until zmq.Again, also re-arms the edge.
+        while len(batch) < RECEIVE_BATCH and cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            try:
+                if authenticated:
+                    frames: list[Any] = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    batch.append((frames, frames[0].get("User-Id")))
+                else:
+                    batch.append((sock.recv_multipart(zmq.NOBLOCK), None))
+            except zmq.Again:  # what was taken is still handled
+                break
         if urgent is not None:
             batch.sort(key=lambda item: not urgent(item[0]))  # stable: otherwise arrival order
         for frames, sender in batch:

@@ -3,8 +3,11 @@ nodes hear so. The nodes here are real CURVE-serving ZMQ sockets that take rooms
 
 import zmq
 
+from bootstrap import rooms
+from bootstrap.store import Attempt, RoomData
 from shared import protocol
 from shared.security import CurveKeys, Security
+from shared.states import RoomState
 from tests.bootstrap.test_api import AUTH, make_client, registration
 
 
@@ -56,9 +59,10 @@ def test_a_room_past_its_deadline_ends_failed_and_both_nodes_are_told():
         context.term()
 
 
-def test_a_room_no_node_reports_on_has_its_assignments_sent_again():
+def test_a_room_no_node_reports_on_has_its_assignments_sent_again_then_is_placed_again():
     """Assignments can be lost (a bootstrap killed while they sat in its ZMQ I/O thread): a room
-    neither node has said a word about is assigned again, the same transfer to the same nodes."""
+    neither node has said a word about is assigned again, the same transfer to the same nodes, and
+    after two such tries its attempt fails and it is placed anew."""
     context = zmq.Context()
     prefill, decode = SilentNode(context), SilentNode(context)
     try:
@@ -68,13 +72,33 @@ def test_a_room_no_node_reports_on_has_its_assignments_sent_again():
                 assert joined.status_code == 201
             room = client.post("/rooms", json={"prompt": "lost", "max_new_tokens": 3}).json()["room"]
             for node, placed in ((prefill, protocol.PrefillRoom), (decode, protocol.DecodeRoom)):
-                first = node.messages(until=placed)
-                again = node.messages(until=placed)
-                assert first == again and [type(m) for m in first] == [placed]
-                assert first[0].room == room  # the first attempt's transfer id is the room's
-            assert client.get(f"/rooms/{room}").json()["state"] == "BOOTSTRAPPING"
-            assert "kvroom_room_assignments_resent_total 0.0" not in client.get("/metrics").text
+                got = node.messages(until=protocol.AbortRoom, timeout_ms=20_000)
+                sent, abort = got[:3], got[3]
+                assert [type(m) for m in sent] == [placed] * 3 and sent[0] == sent[1] == sent[2]
+                assert sent[0].room == room  # the first attempt's transfer id is the room's
+                assert (abort.room, abort.reason) == (room, "peer_lost")
+            assert "kvroom_room_assignments_resent_total 2.0" in client.get("/metrics").text
+            body = client.get(f"/rooms/{room}").json()
+            assert len(body["attempts"]) == 2 and body["attempts"][0]["reason"] == "peer_lost"
     finally:
         for node in (prefill, decode):
             node.sock.close(0)
         context.term()
+
+
+def test_only_a_placed_room_no_node_reported_on_counts_as_unheard():
+    now = 1000.0
+    placed = Attempt(7, "p0", "d0", placed_at=now - 3)
+    room = RoomData(7, [1], 1, [], False, created=now - 10, attempts=[placed])
+    assert rooms.unheard(room, now, 2.0)
+    assert not rooms.unheard(room, now - 1.5, 2.0)  # sent too recently
+    room.attempt.node_states = {"decode": {"state": "WAITING_FOR_INPUT"}}
+    assert not rooms.unheard(room, now, 2.0)
+    room.attempt.node_states = {}
+    room.attempt.placed_at = 0.0  # not placed yet (an attempt waiting for a node), or a record from before
+    assert not rooms.unheard(room, now, 2.0)
+    room.attempt.placed_at = now - 3
+    room.state = RoomState.WAITING_FOR_INPUT
+    assert not rooms.unheard(room, now, 2.0)
+    room.state, room.done = RoomState.BOOTSTRAPPING, True
+    assert not rooms.unheard(room, now, 2.0)

@@ -4,6 +4,7 @@ goes over a real ZMQ socket."""
 
 import queue
 import threading
+import time
 from collections.abc import Iterator, Sequence
 
 import pytest
@@ -24,7 +25,8 @@ class BatchingEngine(TransferEngine):
     tasks queue up behind it. A job whose first write's source is in ``failing`` fails, and one in
     ``stuck`` is left unresolved."""
 
-    def __init__(self) -> None:
+    def __init__(self, overlaps: bool = True) -> None:
+        self.overlaps = overlaps
         self.batches: list[list[int]] = []  # the source address of each job's first write
         self.release = threading.Event()
         self.failing: set[int] = set()
@@ -36,6 +38,10 @@ class BatchingEngine(TransferEngine):
 
     def register(self, ptr: int, nbytes: int) -> None:
         pass
+
+    @property
+    def overlaps_writes(self) -> bool:
+        return self.overlaps
 
     def write(self, peer_session, writes, timeout_s=0.0) -> int:
         raise AssertionError("the worker hands its writes over with write_together")
@@ -86,12 +92,25 @@ def outcomes(finished: "queue.Queue[TransferOutcome]", count: int) -> list[Trans
     return [finished.get(timeout=10) for _ in range(count)]
 
 
+def first_write_out(engine: BatchingEngine) -> None:
+    """Until the worker handed its first write to the engine: the next rooms queue behind it."""
+    assert wait_until(lambda: engine.batches), "the worker never called the engine"
+
+
+def wait_until(condition, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
+
+
 def test_rooms_queued_behind_a_write_go_to_the_engine_together(worker, decode):
     w, engine, finished = worker
     pull, endpoint = decode
     w.submit(task(1, endpoint))
-    while not engine.batches:  # the first write is out; the next rooms queue behind it
-        threading.Event().wait(0.001)
+    first_write_out(engine)
     for room in (2, 3, 4):
         w.submit(task(room, endpoint))
     engine.release.set()
@@ -112,14 +131,13 @@ def test_a_batch_stays_within_its_bytes_and_the_engines_window(worker, decode):
     w, engine, finished = worker
     _, endpoint = decode
     w.submit(task(1, endpoint))
-    while not engine.batches:
-        threading.Event().wait(0.001)
+    first_write_out(engine)
     half = TOGETHER_BYTES // 2
     w.submit(task(2, endpoint, half))
     w.submit(task(3, endpoint, half))
     w.submit(task(4, endpoint, half))  # would pass the bytes: waits for the next batch
     w.submit(task(5, endpoint, 4096, writes=1))
-    w.submit(task(6, endpoint, 4096 * MAX_IN_FLIGHT, writes=MAX_IN_FLIGHT))  # too many writes with 5
+    w.submit(task(6, endpoint, 16 * MAX_IN_FLIGHT, writes=MAX_IN_FLIGHT))  # too many writes with 5
     engine.release.set()
     outcomes(finished, 6)
     assert engine.batches == [[1], [2, 3], [4, 5], [6]]
@@ -131,8 +149,7 @@ def test_each_room_of_a_batch_ends_on_its_own(worker, decode):
     engine.failing.add(2)
     engine.stuck.add(3)
     w.submit(task(1, endpoint))
-    while not engine.batches:
-        threading.Event().wait(0.001)
+    first_write_out(engine)
     for room in (2, 3, 4, 5):
         w.submit(task(room, endpoint))
     w.cancel(5)
@@ -150,7 +167,9 @@ def test_each_room_of_a_batch_ends_on_its_own(worker, decode):
     assert rooms == {1, 4}  # done+aux only for the rooms whose writes all landed
 
 
-def test_a_fault_in_the_engines_binding_fails_the_rest_of_the_batch_and_the_worker_goes_on(worker, decode):
+def test_a_fault_in_the_engines_binding_leaves_the_rest_of_the_batch_unresolved(worker, decode):
+    """What the engine had out when its binding raised is unknown: those rooms' pages stay fenced
+    (unresolved, no done+aux), and the worker goes on."""
     w, engine, finished = worker
     _, endpoint = decode
 
@@ -163,13 +182,43 @@ def test_a_fault_in_the_engines_binding_fails_the_rest_of_the_batch_and_the_work
 
     engine.write_together = broken  # type: ignore[method-assign]
     w.submit(task(1, endpoint))
-    while not engine.batches:
-        threading.Event().wait(0.001)
+    first_write_out(engine)
     for room in (2, 3, 4):
         w.submit(task(room, endpoint))
     engine.release.set()
     got = {o.task.room: o for o in outcomes(finished, 4)}
     assert got[2].sent
-    assert got[3].error == got[4].error == "RuntimeError('binding fault')"
+    for room in (3, 4):
+        assert got[room].unresolved and not got[room].sent
+        assert got[room].error == "RuntimeError('binding fault')"
+
+    def refused(jobs):
+        raise RuntimeError("no engine")
+
+    engine.write_together = refused  # type: ignore[method-assign]
     w.submit(task(5, endpoint))
+    outcome = outcomes(finished, 1)[0]
+    assert outcome.unresolved and not outcome.sent
+    engine.write_together = BatchingEngine.write_together.__get__(engine)  # type: ignore[method-assign]
+    w.submit(task(6, endpoint))
     assert outcomes(finished, 1)[0].sent
+
+
+def test_an_engine_that_writes_in_turn_gets_one_room_at_a_time(decode):
+    """Where writes run one after another anyway (RDMA, NVLink), rooms are not held back to batch."""
+    _, endpoint = decode
+    engine = BatchingEngine(overlaps=False)
+    finished: queue.Queue[TransferOutcome] = queue.Queue()
+    w = TransferWorker(engine, PLAIN, finished.put, lambda room, rank: None)
+    try:
+        w.submit(task(1, endpoint))
+        first_write_out(engine)
+        for room in (2, 3):
+            w.submit(task(room, endpoint))
+        engine.release.set()
+        got = outcomes(finished, 3)
+        assert engine.batches == [[1], [2], [3]]
+        assert all(o.sent for o in got)
+    finally:
+        engine.release.set()
+        w.close()
