@@ -5,9 +5,9 @@ that the engine's own threads, the receiving side and the event loops on the
 same host need (a blocking engine call spins a core). Where the engine can have
 several rooms' writes out at once (over TCP), the rooms queued when the thread
 takes its next task go to it together, up to ``TOGETHER_BYTES``: a small write
-costs far more than its bytes, and the engine overlaps those costs. Done+aux leaves from this thread the moment the
-room's writes completed, with no event loop between "bytes landed" and "decode
-told".
+costs far more than its bytes, and the engine overlaps those costs. Done+aux
+leaves from this thread the moment the room's writes completed, with no event
+loop between "bytes landed" and "decode told".
 
 A write that gave up while some of it may still move is quarantined: the
 thread keeps asking the engine about it between tasks, and says when nothing
