@@ -1,6 +1,9 @@
 """The last line of defence: a room that never ends by itself ends FAILED deadline, and both of its
 nodes hear so. The nodes here are real CURVE-serving ZMQ sockets that take rooms and never answer."""
 
+from collections.abc import Iterator
+
+import pytest
 import zmq
 
 from bootstrap import rooms
@@ -36,54 +39,55 @@ class SilentNode:
         return got
 
 
-def test_a_room_past_its_deadline_ends_failed_and_both_nodes_are_told():
+@pytest.fixture
+def silent_nodes() -> Iterator[tuple[SilentNode, SilentNode]]:
+    """A prefill and a decode node that take every room and never answer."""
     context = zmq.Context()
     prefill, decode = SilentNode(context), SilentNode(context)
-    try:
-        with make_client(room_deadline_s=1.0, node_ttl_s=60.0) as client:
-            for node, (node_id, role) in ((prefill, ("p0", "prefill")), (decode, ("d0", "decode"))):
-                joined = client.post("/nodes", json=node.registration(node_id, role), headers=AUTH)
-                assert joined.status_code == 201
-            room = client.post("/rooms", json={"prompt": "never ends", "max_new_tokens": 3}).json()["room"]
-            final = client.get(f"/rooms/{room}", params={"wait": 10}).json()
-            assert (final["state"], final["reason"], final["finished"]) == ("FAILED", "deadline", True)
-            assert len(final["attempts"]) == 1  # the deadline is final: no other placement
-            for node, placed in ((prefill, protocol.PrefillRoom), (decode, protocol.DecodeRoom)):
-                got = node.messages(until=protocol.AbortRoom)
-                assert [type(m) for m in got] == [placed, protocol.AbortRoom]
-                assert (got[1].room, got[1].reason) == (got[0].room, "deadline")
-            assert 'kvroom_room_failures_total{reason="deadline"} 1.0' in client.get("/metrics").text
-    finally:
-        for node in (prefill, decode):
-            node.sock.close(0)
-        context.term()
+    yield prefill, decode
+    for node in (prefill, decode):
+        node.sock.close(0)
+    context.term()
 
 
-def test_a_room_no_node_reports_on_has_its_assignments_sent_again_then_is_placed_again():
+def join(client, prefill: SilentNode, decode: SilentNode) -> None:
+    for node, (node_id, role) in ((prefill, ("p0", "prefill")), (decode, ("d0", "decode"))):
+        joined = client.post("/nodes", json=node.registration(node_id, role), headers=AUTH)
+        assert joined.status_code == 201
+
+
+def test_a_room_past_its_deadline_ends_failed_and_both_nodes_are_told(silent_nodes):
+    prefill, decode = silent_nodes
+    with make_client(room_deadline_s=1.0, node_ttl_s=60.0) as client:
+        join(client, prefill, decode)
+        room = client.post("/rooms", json={"prompt": "never ends", "max_new_tokens": 3}).json()["room"]
+        final = client.get(f"/rooms/{room}", params={"wait": 10}).json()
+        assert (final["state"], final["reason"], final["finished"]) == ("FAILED", "deadline", True)
+        assert len(final["attempts"]) == 1  # the deadline is final: no other placement
+        for node, placed in ((prefill, protocol.PrefillRoom), (decode, protocol.DecodeRoom)):
+            got = node.messages(until=protocol.AbortRoom)
+            assert [type(m) for m in got] == [placed, protocol.AbortRoom]
+            assert (got[1].room, got[1].reason) == (got[0].room, "deadline")
+        assert 'kvroom_room_failures_total{reason="deadline"} 1.0' in client.get("/metrics").text
+
+
+def test_a_room_no_node_reports_on_has_its_assignments_sent_again_then_is_placed_again(silent_nodes):
     """Assignments can be lost (a bootstrap killed while they sat in its ZMQ I/O thread): a room
     neither node has said a word about is assigned again, the same transfer to the same nodes, and
     after two such tries its attempt fails and it is placed anew."""
-    context = zmq.Context()
-    prefill, decode = SilentNode(context), SilentNode(context)
-    try:
-        with make_client(room_deadline_s=60.0, node_ttl_s=60.0) as client:
-            for node, (node_id, role) in ((prefill, ("p0", "prefill")), (decode, ("d0", "decode"))):
-                joined = client.post("/nodes", json=node.registration(node_id, role), headers=AUTH)
-                assert joined.status_code == 201
-            room = client.post("/rooms", json={"prompt": "lost", "max_new_tokens": 3}).json()["room"]
-            for node, placed in ((prefill, protocol.PrefillRoom), (decode, protocol.DecodeRoom)):
-                got = node.messages(until=protocol.AbortRoom, timeout_ms=20_000)
-                sent, abort = got[:3], got[3]
-                assert [type(m) for m in sent] == [placed] * 3 and sent[0] == sent[1] == sent[2]
-                assert sent[0].room == room  # the first attempt's transfer id is the room's
-                assert (abort.room, abort.reason) == (room, "peer_lost")
-            assert "kvroom_room_assignments_resent_total 2.0" in client.get("/metrics").text
-            body = client.get(f"/rooms/{room}").json()
-            assert len(body["attempts"]) == 2 and body["attempts"][0]["reason"] == "peer_lost"
-    finally:
-        for node in (prefill, decode):
-            node.sock.close(0)
-        context.term()
+    prefill, decode = silent_nodes
+    with make_client(room_deadline_s=60.0, node_ttl_s=60.0) as client:
+        join(client, prefill, decode)
+        room = client.post("/rooms", json={"prompt": "lost", "max_new_tokens": 3}).json()["room"]
+        for node, placed in ((prefill, protocol.PrefillRoom), (decode, protocol.DecodeRoom)):
+            got = node.messages(until=protocol.AbortRoom, timeout_ms=20_000)
+            sent, abort = got[:3], got[3]
+            assert [type(m) for m in sent] == [placed] * 3 and sent[0] == sent[1] == sent[2]
+            assert sent[0].room == room  # the first attempt's transfer id is the room's
+            assert (abort.room, abort.reason) == (room, "peer_lost")
+        assert "kvroom_room_assignments_resent_total 2.0" in client.get("/metrics").text
+        body = client.get(f"/rooms/{room}").json()
+        assert len(body["attempts"]) == 2 and body["attempts"][0]["reason"] == "peer_lost"
 
 
 def test_only_a_placed_room_no_node_reported_on_counts_as_unheard():
