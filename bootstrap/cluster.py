@@ -69,6 +69,7 @@ class Cluster:
         self.api_key = settings.resolved_api_key()
         self.store = open_store(settings.store, settings.room_history, settings.room_ttl_s)
         self.store.on_change = self._changed  # type: ignore[method-assign]
+        self.store.on_resync = self._resync  # type: ignore[method-assign]
         self.registrations = Registrations()
         self.metrics = ServiceMetrics("bootstrap", "bootstrap")
         self.zmq = zmq.Context()
@@ -79,6 +80,7 @@ class Cluster:
         self.started = int(time.time())
         self.tokenizer = load_tokenizer(settings.model)
         self.healthy: str | None = None  # why the store cannot be used, or None
+        self._reports_lost = False  # a report failed on the store: nodes must report again
         self._waiters: dict[int, set[asyncio.Event]] = {}
         self._capacity = asyncio.Event()  # set when some room ended: pages may be free
         self._queued = 0
@@ -128,6 +130,11 @@ class Cluster:
         """A room changed, on this bootstrap or another: wake whoever waits on it."""
         for event in self._waiters.get(room, ()):
             event.set()
+
+    def _resync(self) -> None:
+        for waiting in self._waiters.values():
+            for event in waiting:
+                event.set()
 
     @contextlib.asynccontextmanager
     async def watching(self, room: int) -> AsyncIterator[asyncio.Event]:
@@ -577,6 +584,7 @@ class Cluster:
             exc = task.exception()
             if isinstance(exc, StoreUnavailable):
                 log.warning("store unavailable: %s", exc)
+                self._reports_lost = True
             else:
                 log.error("task failed", exc_info=exc)
 
@@ -606,8 +614,9 @@ class Cluster:
                 if time.monotonic() - last_deadline > DEADLINE_INTERVAL_S:
                     last_deadline = time.monotonic()
                     await self._check_in_flight()
-                if self.healthy is not None:
+                if self.healthy is not None or self._reports_lost:
                     log.warning("the store is back: nodes report their rooms again")
+                    self._reports_lost = False
                     await self.store.epoch(renew=True)
                 self.healthy = None
             except StoreUnavailable as exc:

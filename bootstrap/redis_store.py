@@ -85,6 +85,7 @@ class RedisStore(Store):
             try:
                 pubsub = self._redis.pubsub()
                 await pubsub.subscribe(P + "events")
+                self.on_resync()  # what changed before the subscription was heard by no one
                 async for message in pubsub.listen():
                     if message["type"] == "message":
                         self.on_change(int(message["data"]))

@@ -100,6 +100,9 @@ class Store(abc.ABC):
     def on_change(self, room: int) -> None:
         """A room changed, on this bootstrap or another; the cluster puts its own hook here."""
 
+    def on_resync(self) -> None:
+        """Changes may have gone unheard (the event channel was lost and is back): wake every waiter."""
+
     # -- nodes ------------------------------------------------------------------------
 
     @abc.abstractmethod

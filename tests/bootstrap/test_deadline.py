@@ -1,59 +1,12 @@
 """The last line of defence: a room that never ends by itself ends FAILED deadline, and both of its
 nodes hear so. The nodes here are real CURVE-serving ZMQ sockets that take rooms and never answer."""
 
-from collections.abc import Iterator
-
-import pytest
-import zmq
-
 from bootstrap import rooms
 from bootstrap.store import Attempt, RoomData
 from shared import protocol
-from shared.security import CurveKeys, Security
 from shared.states import RoomState
-from tests.bootstrap.test_api import AUTH, make_client, registration
-
-
-class SilentNode:
-    """A node's leader socket: it takes every message and answers none."""
-
-    def __init__(self, context: zmq.Context):
-        self.keys = CurveKeys.generate()
-        self.sock = context.socket(zmq.PULL)
-        Security(self.keys).server(self.sock)
-        self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")
-
-    def registration(self, node_id: str, role: str) -> dict:
-        reg = registration(node_id, role, port=self.port)
-        reg["ranks"][0]["public_key"] = self.keys.public
-        return reg
-
-    def messages(self, until: type, timeout_ms: int = 10_000) -> list:
-        """What came, each assignment and abort on its own, up to one of type ``until``."""
-        got: list = []
-        while not any(isinstance(m, until) for m in got):
-            assert self.sock.poll(timeout_ms), f"no {until.__name__} came; got {got}"
-            batch = protocol.decode(self.sock.recv_multipart())[0]
-            assert isinstance(batch, protocol.Assignments)
-            got += [*batch.prefill_rooms, *batch.decode_rooms, *batch.aborts]
-        return got
-
-
-@pytest.fixture
-def silent_nodes() -> Iterator[tuple[SilentNode, SilentNode]]:
-    """A prefill and a decode node that take every room and never answer."""
-    context = zmq.Context()
-    prefill, decode = SilentNode(context), SilentNode(context)
-    yield prefill, decode
-    for node in (prefill, decode):
-        node.sock.close(0)
-    context.term()
-
-
-def join(client, prefill: SilentNode, decode: SilentNode) -> None:
-    for node, (node_id, role) in ((prefill, ("p0", "prefill")), (decode, ("d0", "decode"))):
-        joined = client.post("/nodes", json=node.registration(node_id, role), headers=AUTH)
-        assert joined.status_code == 201
+from tests.bootstrap.silent_node import join
+from tests.bootstrap.test_api import make_client
 
 
 def test_a_room_past_its_deadline_ends_failed_and_both_nodes_are_told(silent_nodes):

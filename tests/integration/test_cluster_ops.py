@@ -145,6 +145,41 @@ def test_a_bootstrap_without_redis_is_unhealthy_and_recovers(tmp_path, redis, mo
             )
 
 
+def test_the_event_channel_back_after_redis_restarts_wakes_every_waiter(redis):
+    """A room changed while the subscription was down is heard by nobody: once the channel is back,
+    every waiter is woken to read its room again, so a ``?wait`` does not sit out its whole time."""
+    import redis.asyncio as aioredis
+
+    from bootstrap.redis_store import RedisStore
+
+    async def run() -> None:
+        store = RedisStore(redis.url, history=10, room_ttl_s=60)
+        resyncs: list[float] = []
+        changed: list[int] = []
+        store.on_resync = lambda: resyncs.append(0)  # type: ignore[method-assign]
+        store.on_change = changed.append  # type: ignore[method-assign]
+        await store.start()
+        try:
+
+            async def until(predicate, what: str) -> None:
+                deadline = asyncio.get_running_loop().time() + 20
+                while not predicate():
+                    assert asyncio.get_running_loop().time() < deadline, f"no {what}"
+                    await asyncio.sleep(0.02)
+
+            await until(lambda: resyncs, "the first subscription")
+            redis.stop()
+            redis.start()
+            await until(lambda: len(resyncs) == 2, "the subscription after the restart")
+            async with aioredis.from_url(redis.url) as other:  # another bootstrap changes room 7
+                await other.publish("kvroom:events", "7")
+            await until(lambda: changed == [7], "the event")
+        finally:
+            await store.close()
+
+    asyncio.run(run())
+
+
 @pytest.mark.parametrize("role", ["decode", "prefill"])
 def test_a_node_killed_in_a_two_by_two_cluster(fast_stack, model, role):
     stack = fast_stack
