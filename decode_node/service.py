@@ -336,7 +336,8 @@ class DecodeService(RankService):
     def _on_abort(self, msg: protocol.AbortRoom) -> None:
         job = self.rooms.live.get(msg.room)
         if job is None:
-            log.debug("room=%d abort for a room not live here", msg.room, extra={"room": msg.room})
+            if self.rooms.find(msg.room) is None and msg.room not in self.fenced:
+                self.rooms.ended_unseen(msg.room, msg.reason)
             return
         assert isinstance(job, DecodeJob)
         if msg.peer_gone:

@@ -253,12 +253,12 @@ class PrefillService(RankService):
         if sender is None:
             self.early.pop(msg.room, None)
         job = self.rooms.find(msg.room)
-        if job is None:
+        if not isinstance(job, PrefillJob):  # never seen here, or ended before it came
             if sender is not None:
                 raise RejectedMessage("abort for a room not known here", room=msg.room, kind="unknown_room")
-            log.debug("room=%d abort for a room not known here", msg.room, extra={"room": msg.room})
+            if job is None:
+                self.rooms.ended_unseen(msg.room, msg.reason)
             return
-        assert isinstance(job, PrefillJob)
         if sender is not None:
             self.check_rank(msg.rank, msg.room)
             peers = [p for p in job.decode_ranks.values() if p.public_key == sender]

@@ -97,6 +97,13 @@ class RoomTable:
         while len(self.finished) > self._remember:
             self.finished.popitem(last=False)
 
+    def ended_unseen(self, room_id: int, reason: str) -> None:
+        """An abort for a room never seen here: a second bootstrap's abort can overtake the first's
+        assignment. The room is remembered as failed, so that assignment is refused when it comes."""
+        room = Room(room_id)
+        room.fail(reason)
+        self.retire(room)
+
     def find(self, room_id: int) -> Room | None:
         return self.live.get(room_id) or self.finished.get(room_id)
 

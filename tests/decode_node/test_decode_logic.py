@@ -313,6 +313,26 @@ def test_assignments_are_taken_in_order_and_a_bad_one_costs_only_itself():
     run(test)
 
 
+def test_an_abort_that_overtook_its_room_refuses_the_room_when_it_comes():
+    """Each bootstrap keeps the order of its own messages, not another's: one's abort can reach
+    the node before the other's assignment. The room is then refused: no page, no request."""
+
+    async def test(service, node):
+        sent = []
+        service.rank.send = lambda peer, msg, aux=None: sent.append(msg) or True
+        free = service.pool.free_pages
+        service.handle_assignment(protocol.AbortRoom(ROOM, 0, "aborted"))
+        with pytest.raises(RejectedMessage, match="already known"):
+            service.handle_assignment(protocol.DecodeRoom(ROOM, 20, 5, "p", [PREFILL]))
+        service.handle_assignment(protocol.AbortRoom(ROOM, 0, "aborted"))  # a second one changes nothing
+        await asyncio.sleep(0)
+        assert sent == [] and ROOM not in service.rooms.live and service.pool.free_pages == free
+        ended = service.rooms.find(ROOM)
+        assert (ended.state, ended.reason) == (RoomState.FAILED, "aborted")
+
+    run(test)
+
+
 def test_a_turns_transfer_requests_to_one_prefill_rank_go_in_one_message():
     async def test(service, node):
         sent = []

@@ -13,6 +13,7 @@ from prefill_node.service import PrefillService
 from prefill_node.settings import PrefillSettings
 from shared import protocol
 from shared.agreement import Solo
+from shared.errors import RejectedMessage
 from shared.kv_source import make_source
 from shared.metrics import ServiceMetrics
 from shared.rank import Rank
@@ -183,3 +184,23 @@ def test_a_batch_of_requests_is_taken_request_by_request():
         assert service.rooms.find(ROOM + 1).requests == {}  # the bad one was not taken
 
     run(test, progress_notice_s=0.1)
+
+
+def test_an_abort_that_overtook_its_room_refuses_the_room_when_it_comes():
+    """One bootstrap's abort can reach the node before another's assignment: the room is refused
+    when it comes, and a request for it is turned away as for a finished room."""
+
+    async def test(service, engine, sent):
+        service.handle_assignment(protocol.AbortRoom(ROOM, 0, "aborted"))
+        with pytest.raises(RejectedMessage, match="already known"):
+            service.handle_assignment(protocol.PrefillRoom(ROOM, [65] * 4, "decode-0", [DECODE]))
+        service.handle_assignment(protocol.AbortRoom(ROOM, 0, "aborted"))  # a second one changes nothing
+        request = protocol.TransferRequest(ROOM, 0, 0, 0, 32, DECODE.kv_head_count * 8, [0], 0)
+        with pytest.raises(RejectedMessage, match="finished room"):
+            service.handle_peer(request, None, None)
+        await asyncio.sleep(0)
+        assert sent == [] and ROOM not in service.rooms.live and engine.writes == []
+        ended = service.rooms.find(ROOM)
+        assert (ended.state, ended.reason) == (RoomState.FAILED, "aborted")
+
+    run(test)
