@@ -132,6 +132,7 @@ class Cluster:
             event.set()
 
     def _resync(self) -> None:
+        """Changes may have gone unheard: every waiter reads its room again."""
         for waiting in self._waiters.values():
             for event in waiting:
                 event.set()

@@ -43,16 +43,18 @@ def test_a_report_the_store_failed_on_renews_the_epoch(silent_nodes, monkeypatch
         sock = decode.sock.context.socket(zmq.PUSH)
         Security(decode.keys).client(sock, answer["public_key"])
         sock.connect(answer["report_endpoint"])
-        report = protocol.RoomStatus(room=transfer, state=int(RoomState.WAITING_FOR_INPUT))
-        sock.send_multipart(protocol.encode(protocol.RoomReports("d0", [report])))
+        try:
+            report = protocol.RoomStatus(room=transfer, state=int(RoomState.WAITING_FOR_INPUT))
+            sock.send_multipart(protocol.encode(protocol.RoomReports("d0", [report])))
 
-        wait_for(lambda: epoch(client) != before, 10, "the epoch to change after a lost report")
-        assert failed
-        assert client.get(f"/rooms/{room}").json()["transfer_state"] == "BOOTSTRAPPING"  # it was lost
-        sock.send_multipart(protocol.encode(protocol.RoomReports("d0", [report])))  # reported again
-        state = lambda: client.get(f"/rooms/{room}").json()["transfer_state"]  # noqa: E731
-        wait_for(lambda: state() == "WAITING_FOR_INPUT", 10, "the report sent again to be applied")
-        sock.close(0)
+            wait_for(lambda: epoch(client) != before, 10, "the epoch to change after a lost report")
+            assert failed
+            assert client.get(f"/rooms/{room}").json()["transfer_state"] == "BOOTSTRAPPING"  # it was lost
+            sock.send_multipart(protocol.encode(protocol.RoomReports("d0", [report])))  # reported again
+            state = lambda: client.get(f"/rooms/{room}").json()["transfer_state"]  # noqa: E731
+            wait_for(lambda: state() == "WAITING_FOR_INPUT", 10, "the report sent again to be applied")
+        finally:
+            sock.close(0)
 
 
 def test_a_resync_of_the_store_wakes_every_waiter():
