@@ -27,7 +27,7 @@ import zmq
 
 from shared import kv_digest, protocol
 from shared.errors import TransferError
-from shared.kv_layout import Write
+from shared.kv_layout import Write, total_bytes
 from shared.kv_pool import KVPool
 from shared.security import Security
 from shared.transfer import MAX_IN_FLIGHT, WRITE_TIMEOUT_S, TransferEngine, WriteJob, WriteUnresolved
@@ -61,10 +61,6 @@ class TransferTask:
     done: protocol.KvDone  # completed_at, bytes_written and digests are filled in by the worker
     aux: bytes
     digests: Digests | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return sum(length for _, _, length in self.writes)
 
 
 @dataclasses.dataclass
@@ -144,7 +140,7 @@ class TransferWorker:
     def _batch(self, first: TransferTask) -> tuple[list[TransferTask], TransferTask | None]:
         """``first`` and the tasks queued behind it while they fit together (only ``first`` where
         the engine runs writes in turn); and the task taken that did not fit, for the next batch."""
-        batch, nbytes, writes = [first], first.nbytes, len(first.writes)
+        batch, nbytes, writes = [first], total_bytes(first.writes), len(first.writes)
         while self._engine.overlaps_writes and nbytes < TOGETHER_BYTES:
             try:
                 task = self._queue.get_nowait()
@@ -153,7 +149,7 @@ class TransferWorker:
             if task is None:
                 self._queue.put(None)
                 return batch, None
-            nbytes, writes = nbytes + task.nbytes, writes + len(task.writes)
+            nbytes, writes = nbytes + total_bytes(task.writes), writes + len(task.writes)
             if nbytes > TOGETHER_BYTES or writes > MAX_IN_FLIGHT:
                 return batch, task
             batch.append(task)

@@ -11,6 +11,7 @@ into another are still one contiguous range of every page: one write per page.
 A layer-major pool would cost one write per layer per run instead.
 """
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -35,6 +36,10 @@ def torch_dtype(name: str) -> "torch.dtype":
 MAX_WRITE_BYTES = 4 << 20
 
 Write = tuple[int, int, int]  # (source address, destination address, length)
+
+
+def total_bytes(writes: Iterable[Write]) -> int:
+    return sum(length for _, _, length in writes)
 
 
 class KVLayout(msgspec.Struct, frozen=True):

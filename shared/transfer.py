@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from shared.errors import TransferError
-from shared.kv_layout import Write
+from shared.kv_layout import Write, total_bytes
 
 log = logging.getLogger(__name__)
 
@@ -94,10 +94,6 @@ class WriteJob:
     peer_session: str
     writes: Sequence[Write]
     timeout_s: float = WRITE_TIMEOUT_S
-
-    @property
-    def nbytes(self) -> int:
-        return sum(length for _, _, length in self.writes)
 
 
 class TransferEngine(abc.ABC):
@@ -250,7 +246,7 @@ class MooncakeEngine(TransferEngine):
     def _submit(self, job: WriteJob) -> "_Submitted":
         """Submit the job's writes, at most MAX_IN_FLIGHT out at once (past that, each waits for
         the oldest); a failure stops further submits."""
-        out = _Submitted(job, write_deadline(job.nbytes, job.timeout_s))
+        out = _Submitted(job, write_deadline(total_bytes(job.writes), job.timeout_s))
         for src, dst, length in job.writes:
             if len(out.in_flight) == MAX_IN_FLIGHT:
                 out.error = self._wait(out.in_flight[0], out.deadline)
@@ -283,7 +279,7 @@ class MooncakeEngine(TransferEngine):
             )
         if error is not None:
             raise TransferError(f"write of {len(out.job.writes)} entries to {out.job.peer_session}: {error}")
-        return out.job.nbytes
+        return total_bytes(out.job.writes)
 
     def _wait(self, batch_id: int, deadline: float) -> str | None:
         """None once the write completed, else why not."""

@@ -51,8 +51,11 @@ def test_a_report_the_store_failed_on_renews_the_epoch(silent_nodes, monkeypatch
             assert failed
             assert client.get(f"/rooms/{room}").json()["transfer_state"] == "BOOTSTRAPPING"  # it was lost
             sock.send_multipart(protocol.encode(protocol.RoomReports("d0", [report])))  # reported again
-            state = lambda: client.get(f"/rooms/{room}").json()["transfer_state"]  # noqa: E731
-            wait_for(lambda: state() == "WAITING_FOR_INPUT", 10, "the report sent again to be applied")
+            wait_for(
+                lambda: client.get(f"/rooms/{room}").json()["transfer_state"] == "WAITING_FOR_INPUT",
+                10,
+                "the report sent again to be applied",
+            )
         finally:
             sock.close(0)
 

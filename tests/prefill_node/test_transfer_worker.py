@@ -4,7 +4,6 @@ goes over a real ZMQ socket."""
 
 import queue
 import threading
-import time
 from collections.abc import Iterator, Sequence
 
 import pytest
@@ -13,9 +12,11 @@ import zmq
 from prefill_node.transfer_worker import TOGETHER_BYTES, TransferOutcome, TransferTask, TransferWorker
 from shared import protocol
 from shared.errors import TransferError
+from shared.kv_layout import total_bytes
 from shared.security import Security
 from shared.transfer import MAX_IN_FLIGHT, TransferEngine, WriteJob, WriteUnresolved
 from shared.zmq_io import bind_pull
+from tests.integration.helpers import wait_for
 
 PLAIN = Security(None)
 
@@ -56,7 +57,7 @@ class BatchingEngine(TransferEngine):
             elif first in self.stuck:
                 yield WriteUnresolved(f"job {first} still out", [first])
             else:
-                yield sum(length for _, _, length in job.writes)
+                yield total_bytes(job.writes)
 
     def unresolved(self, pending: list[int]) -> list[int]:
         return pending
@@ -94,16 +95,7 @@ def outcomes(finished: "queue.Queue[TransferOutcome]", count: int) -> list[Trans
 
 def first_write_out(engine: BatchingEngine) -> None:
     """Until the worker handed its first write to the engine: the next rooms queue behind it."""
-    assert wait_until(lambda: engine.batches), "the worker never called the engine"
-
-
-def wait_until(condition, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.001)
-    return True
+    wait_for(lambda: engine.batches, 10, "the worker to call the engine")
 
 
 def test_rooms_queued_behind_a_write_go_to_the_engine_together(worker, decode):
@@ -132,10 +124,10 @@ def test_a_batch_stays_within_its_bytes_and_the_engines_window(worker, decode):
     _, endpoint = decode
     w.submit(task(1, endpoint))
     first_write_out(engine)
-    half = TOGETHER_BYTES // 2
-    w.submit(task(2, endpoint, half))
-    w.submit(task(3, endpoint, half))
-    w.submit(task(4, endpoint, half))  # would pass the bytes: waits for the next batch
+    third = TOGETHER_BYTES // 3
+    w.submit(task(2, endpoint, third))
+    w.submit(task(3, endpoint, third))
+    w.submit(task(4, endpoint, TOGETHER_BYTES // 2))  # would pass the bytes: waits for the next batch
     w.submit(task(5, endpoint, 4096, writes=1))
     w.submit(task(6, endpoint, 16 * MAX_IN_FLIGHT, writes=MAX_IN_FLIGHT))  # too many writes with 5
     engine.release.set()
