@@ -219,12 +219,11 @@ class Bench:
 
     # -- what CURVE and verified KV cost ---------------------------------------------------
 
-    def options(self, size_kib: int) -> list[dict[str, Any]]:
-        """One size of room on three stacks side by side: the default (CURVE, no digests),
+    def options(self, sizes_kib: list[int]) -> list[dict[str, Any]]:
+        """Rooms of each size on three stacks side by side: the default (CURVE, no digests),
         plain ZMQ, and verified KV; each against the default, neighbour by neighbour."""
         layout = layout_of(BIG)
-        tokens = size_kib * KIB // layout.page_bytes
-        pool = size_kib * KIB + 8 * layout.page_bytes
+        pool = max(sizes_kib) * KIB + 8 * layout.page_bytes
         args = node_args(BIG, pool)
         variants = {
             "CURVE, KV not verified (the default)": self.stack("opt-default", args, args),
@@ -232,29 +231,36 @@ class Bench:
             "CURVE and --verify-kv": self.stack("opt-verify", args, args, verify_kv=True),
         }
         clients = {name: s.client() for name, s in variants.items()}
+        rows = []
         try:
             for client in clients.values():
-                self.room(client, tokens)
-            samples = interleaved(
-                {
-                    name: lambda c=c: self.room(c, tokens)["request_to_success_s"]
-                    for name, c in clients.items()
-                },
-                3 * self.runs,  # small rooms, and a difference of tenths of a millisecond to find
-            )
+                self.room(client, 1)
+            for size_kib in sizes_kib:
+                tokens = size_kib * KIB // layout.page_bytes
+                samples = interleaved(
+                    {
+                        name: lambda c=c: self.room(c, tokens)["request_to_success_s"]
+                        for name, c in clients.items()
+                    },
+                    3 * self.runs,  # a difference of tenths of a millisecond to find
+                )
+                base = samples[next(iter(variants))]
+                rows += [
+                    {
+                        "variant": name,
+                        "kv_kib": size_kib,
+                        "kvroom_ms": ms(statistics.median(values)),
+                        "vs_default_ms": ms(paired_median(values, base)),
+                        "vs_default_ratio": statistics.median(
+                            v / b for v, b in zip(values, base, strict=True)
+                        ),
+                    }
+                    for name, values in samples.items()
+                ]
         finally:
             for client in clients.values():
                 client.close()
-        base = samples[next(iter(variants))]
-        return [
-            {
-                "variant": name,
-                "kv_kib": size_kib,
-                "kvroom_ms": ms(statistics.median(values)),
-                "vs_default_ms": ms(paired_median(values, base)),
-            }
-            for name, values in samples.items()
-        ]
+        return rows
 
     # -- tensor parallelism ----------------------------------------------------------------
 
@@ -460,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
             print("transfer against the raw engine", flush=True)
             transfer = bench.transfer([256, 1024] if quick else [256, 1024, 16 * 1024, 64 * 1024])
             print("CURVE and verified KV", flush=True)
-            options = bench.options(256)
+            options = bench.options([256, 1024] if quick else [256, 1024, 16 * 1024, 64 * 1024])
             bench.close()
             print("tensor parallelism", flush=True)
             tp_shapes = [(1, 1, "ipc"), (2, 2, "ipc")]

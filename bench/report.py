@@ -25,7 +25,8 @@ def _targets(results: dict[str, Any]) -> str:
     top = max(results["control_plane"], key=lambda r: r["in_flight"])
     blocks, history = results["sustained"], results["room_history"]
     warm = next((b for b in blocks if b["served_before"] >= history), None)
-    curve = next(r for r in results["options"] if r["variant"] == "plain ZMQ")
+    options = {(r["variant"], r["kv_kib"]): r for r in results["options"]}
+    curve = options[("plain ZMQ", 256)]
     rows = []
 
     def judge(target: str, value: str, met: bool) -> None:
@@ -64,6 +65,17 @@ def _targets(results: dict[str, Any]) -> str:
     # CURVE's cost: the default (CURVE) against plain ZMQ, neighbour by neighbour.
     cost = -curve["vs_default_ms"]
     judge("CURVE adds ≤ 0.1 ms to a 256 KiB room", f"{cost:+.2f} ms", cost <= 0.1)
+    verify = {k: r for (variant, k), r in options.items() if variant == "CURVE and --verify-kv"}
+    if 256 in verify:
+        added = verify[256]["vs_default_ms"]
+        judge("--verify-kv adds ≤ 0.2 ms to a 256 KiB room", f"{added:+.2f} ms", added <= 0.2)
+    big = [verify[k] for k in (16 * 1024, 64 * 1024) if k in verify]
+    if big:
+        judge(
+            "--verify-kv adds ≤ 15% to 16 MiB and 64 MiB rooms",
+            ", ".join(f"{r['vs_default_ratio'] - 1:+.0%} at {_size(r['kv_kib'])}" for r in big),
+            all(r["vs_default_ratio"] <= 1.15 for r in big),
+        )
     return _table(["target", "this run", ""], rows)
 
 
@@ -111,15 +123,15 @@ def write_report(results: dict[str, Any], out: Path) -> None:
     )
     parts.append(
         "\n**What CURVE and verified KV cost** (three stacks side by side, rooms in turn, "
-        "three times the runs)\n"
+        "three times the runs; against the default neighbour by neighbour)\n"
     )
-    headers = ["KV per room", "variant", "kvroom ms"] + (["against the default"] if compare else [])
+    headers = ["KV per room", "variant", "kvroom ms"] + (["against the default", "ratio"] if compare else [])
     parts.append(
         _table(
             headers,
             [
                 [_size(r["kv_kib"]), r["variant"], f"{r['kvroom_ms']:.2f}"]
-                + ([f"{r['vs_default_ms']:+.2f} ms"] if compare else [])
+                + ([f"{r['vs_default_ms']:+.2f} ms", f"{r['vs_default_ratio']:.2f}x"] if compare else [])
                 for r in results["options"]
             ],
         )

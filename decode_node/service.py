@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from decode_node.settings import DecodeSettings
-from shared import kv_digest, protocol
+from shared import protocol
 from shared.agreement import Participant
 from shared.aux_buffers import AUX_RECORD, AuxBuffers, record_digest
 from shared.errors import PoolExhausted, RejectedMessage
@@ -249,8 +249,20 @@ class DecodeService(RankService):
             log.warning("room=%d no page digests from prefill rank %d", job.id, p, extra={"room": job.id})
             self._landed(job, p, Landed(landed, msg.pages_written, False))
             return
+        # Our pages as they are now, with the prefill's kind of digest: a small room's at once,
+        # a large one's off the event loop.
+        assert self.digester is not None
+        heads, mine = job.writers[p], self.source.kv_heads
+        hb = self.layout.head_bytes
+        pages = job.pages[: msg.pages_written]
+        pending = self.digester.start(
+            pages, (heads.start - mine.start) * hb, heads.count * hb, msg.digest_kind
+        )
+        if pending.done():
+            self._compare_digests(job, p, msg, landed, pending.result())
+            return
         job.checking.add(p)
-        self.spawn(self._check_digests(job, p, msg, landed))
+        self.spawn(self._await_digests(job, p, msg, landed, pending))
 
     @staticmethod
     def _needs_aux(landed: Landed) -> bool:
@@ -258,21 +270,24 @@ class DecodeService(RankService):
 
         return landed.record is None or unpack(landed.record) is None
 
-    async def _check_digests(
-        self, job: DecodeJob, p: int, msg: protocol.KvDone, landed: bytes | None
+    async def _await_digests(
+        self,
+        job: DecodeJob,
+        p: int,
+        msg: protocol.KvDone,
+        landed: bytes | None,
+        pending: "concurrent.futures.Future[list[int]]",
     ) -> None:
-        """Digest our pages as they are now, off the event loop, and compare with the prefill's."""
-        heads, mine = job.writers[p], self.source.kv_heads
-        hb = self.layout.head_bytes
-        pages = job.pages[: msg.pages_written]
         try:
-            ours = await asyncio.to_thread(
-                kv_digest.page_digests, self.pool, pages, (heads.start - mine.start) * hb, heads.count * hb
-            )
+            ours = await asyncio.wrap_future(pending)
         finally:
             job.checking.discard(p)
-        if job.id not in self.rooms.live:
-            return
+        if job.id in self.rooms.live:
+            self._compare_digests(job, p, msg, landed, ours)
+
+    def _compare_digests(
+        self, job: DecodeJob, p: int, msg: protocol.KvDone, landed: bytes | None, ours: list[int]
+    ) -> None:
         intact = ours == msg.digests
         if not intact:
             bad = next(i for i, (a, b) in enumerate(zip(ours, msg.digests or [], strict=False)) if a != b)

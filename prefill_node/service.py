@@ -303,11 +303,12 @@ class PrefillService(RankService):
             pages_written=len(req.page_indices),
             bytes_written=0,
             completed_at=0.0,
+            digest_kind=self.digester.kind if self.digester is not None else "xxh3",
         )
         aux = Aux(job.id, job.first_token, len(job.input_ids), job.logprob).pack()
         digests = None
-        if self.settings.verify_kv:
-            digests = Digests(self.pool, job.pages, (heads.start - mine.start) * hb, heads.count * hb)
+        if self.digester is not None:
+            digests = Digests(self.digester, job.pages, (heads.start - mine.start) * hb, heads.count * hb)
         job.writing.add(decode_rank)
         self.worker.submit(TransferTask(job.id, decode_rank, peer, writes, done, aux, digests))
         self.set_local(job, RoomState.TRANSFERRING)

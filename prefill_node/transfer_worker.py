@@ -15,6 +15,7 @@ of it moves any more (``on_resolved``). Until then neither side may reuse the
 pages it touches.
 """
 
+import concurrent.futures
 import dataclasses
 import logging
 import queue
@@ -25,10 +26,10 @@ from collections.abc import Callable, Iterator
 import msgspec
 import zmq
 
-from shared import kv_digest, protocol
+from shared import protocol
 from shared.errors import TransferError
+from shared.kv_digest import Digester
 from shared.kv_layout import Write, total_bytes
-from shared.kv_pool import KVPool
 from shared.security import Security
 from shared.transfer import MAX_IN_FLIGHT, WRITE_TIMEOUT_S, TransferEngine, WriteJob, WriteUnresolved
 from shared.zmq_io import PushSockets
@@ -41,15 +42,20 @@ QUARANTINE_POLL_S = 0.05
 # are bound by bandwidth: running them together would only delay the first room's done.
 TOGETHER_BYTES = 2 << 20
 
+Pending = concurrent.futures.Future[list[int]]
+
 
 @dataclasses.dataclass
 class Digests:
-    """Verify mode: digest these bytes of each source page before writing."""
+    """Verify mode: digest these bytes of each source page while the room's writes are out."""
 
-    pool: KVPool
+    digester: Digester
     pages: list[int]
     offset: int
     length: int
+
+    def start(self) -> "concurrent.futures.Future[list[int]]":
+        return self.digester.start(self.pages, self.offset, self.length)
 
 
 @dataclasses.dataclass
@@ -157,24 +163,16 @@ class TransferWorker:
 
     def _transfer(self, tasks: list[TransferTask]) -> Iterator[TransferOutcome]:
         """Each task's outcome, in order, as soon as its writes ended."""
-        live: list[tuple[TransferOutcome, list[int] | None]] = []
+        live: list[tuple[TransferOutcome, Pending | None]] = []
         for task in tasks:
             outcome = TransferOutcome(task)
             if task.room in self._cancelled:
                 outcome.cancelled = True
                 yield outcome
                 continue
-            try:
-                digests = None
-                if task.digests is not None:
-                    d = task.digests
-                    digests = kv_digest.page_digests(d.pool, d.pages, d.offset, d.length)
-            except Exception as exc:  # never let one room end the worker
-                log.exception("room=%d transfer worker failed", task.room, extra={"room": task.room})
-                outcome.error = repr(exc)
-                yield outcome
-                continue
-            live.append((outcome, digests))
+            # The source pages do not change while they are written: their digests are
+            # computed while the writes are out, and taken once they ended.
+            live.append((outcome, task.digests.start() if task.digests is not None else None))
         if not live:
             return
         jobs = [WriteJob(o.task.peer.session_id, o.task.writes, self._write_timeout_s) for o, _ in live]
@@ -201,9 +199,7 @@ class TransferWorker:
                 self._finish(outcome, result, digests)
             yield outcome
 
-    def _finish(
-        self, outcome: TransferOutcome, result: int | TransferError, digests: list[int] | None
-    ) -> None:
+    def _finish(self, outcome: TransferOutcome, result: int | TransferError, digests: Pending | None) -> None:
         """Send done+aux for a task whose writes ended, or record why not."""
         task = outcome.task
         if isinstance(result, WriteUnresolved):
@@ -222,7 +218,10 @@ class TransferWorker:
         try:
             outcome.done_at = time.time()
             done = msgspec.structs.replace(
-                task.done, bytes_written=outcome.written, completed_at=outcome.done_at, digests=digests
+                task.done,
+                bytes_written=outcome.written,
+                completed_at=outcome.done_at,
+                digests=digests.result() if digests is not None else None,
             )
             frames = protocol.encode(done, task.aux)
             outcome.sent = self._push.send(task.peer.zmq_endpoint, task.peer.public_key, frames)

@@ -33,11 +33,13 @@ Changelog
        TRANSFER_REQUESTS: a decode rank's transfer requests to one prefill rank
        from one turn of its loop. A message of either is taken item by item, as
        if each came alone.
+    4  DONE_AUX names the kind of its page digests (``digest_kind``: ``xxh3`` from
+       a CPU pool, ``wsum`` from a CUDA pool); the decode computes the same kind.
 """
 
 import enum
 import struct
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -48,7 +50,7 @@ from shared.errors import (
     VersionMismatch,
 )
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 MAGIC = b"KVRM"
 _HEADER = struct.Struct("!4sHB")
 HEADER_BYTES = _HEADER.size
@@ -70,6 +72,7 @@ Rank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_RANKS)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
 Digest = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
 Token = Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
+DigestKind = Literal["xxh3", "wsum"]  # verify mode's page digests (shared.kv_digest)
 Head = Annotated[int, msgspec.Meta(ge=0, le=MAX_HEADS)]
 HeadCount = Annotated[int, msgspec.Meta(ge=1, le=MAX_HEADS)]
 Endpoint = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
@@ -188,7 +191,8 @@ class KvDone(msgspec.Struct, frozen=True):
 
     Always travels with the aux record as the third frame of the same message.
     ``digests`` (verify mode) holds one digest per destination page, in the
-    order of the request's page indices, over the bytes this rank wrote there.
+    order of the request's page indices, over the bytes this rank wrote there,
+    of the kind ``digest_kind`` names (``shared.kv_digest``).
     """
 
     room: RoomId
@@ -199,6 +203,7 @@ class KvDone(msgspec.Struct, frozen=True):
     bytes_written: NonNegative
     completed_at: float  # wall clock when the last KV write completed, for aux latency
     digests: Annotated[list[Digest], msgspec.Meta(max_length=MAX_PAGES_PER_ROOM)] | None = None
+    digest_kind: DigestKind = "xxh3"
 
 
 class RoomReleased(msgspec.Struct, frozen=True):

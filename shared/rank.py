@@ -24,6 +24,7 @@ import zmq
 from shared import protocol
 from shared.agreement import Participant
 from shared.errors import RejectedMessage
+from shared.kv_digest import Digester
 from shared.kv_pool import KVPool
 from shared.kv_source import KVSource
 from shared.metrics import ServiceMetrics
@@ -156,6 +157,8 @@ class RankService(abc.ABC):
         self.metrics = metrics
         self.rooms = RoomTable()
         self.model = ModelWorker()
+        # Verify mode: the pool's page digests (the prefill's while its writes are out).
+        self.digester = Digester(self.pool) if self.settings.verify_kv else None
         self._tasks: set[asyncio.Task[Any]] = set()
 
     # -- what subclasses provide ------------------------------------------------
@@ -182,6 +185,8 @@ class RankService(abc.ABC):
     def shutdown(self) -> None:
         """Release what the subclass started."""
         self.model.close()
+        if self.digester is not None:
+            self.digester.close()
 
     # -- messages -----------------------------------------------------------------
 

@@ -31,6 +31,8 @@ def test_quick_benchmark_produces_its_report(tmp_path):
         "plain ZMQ",
         "CURVE and --verify-kv",
     }
+    assert sorted({r["kv_kib"] for r in results["options"]}) == [256, 1024]  # every variant, every size
+    assert len(results["options"]) == 6
     assert [(r["prefill_tp"], r["decode_tp"]) for r in results["tensor_parallel"]] == [(1, 1), (2, 2)]
     assert {r["zmq"] for r in results["curve_control_plane"]} == {"CURVE", "plain ZMQ"}
     assert set(results["sustained"][0]["rss_mib"]) == {"bootstrap", "prefill", "decode"}
@@ -47,6 +49,12 @@ def test_quick_benchmark_produces_its_report(tmp_path):
     write_report({**results, "quick": False}, full)
     table = (full / "results.md").read_text().split("**Targets**")[1].split("**Transfer**")[0]
     verdicts = [line.rsplit("|", 2)[1].strip() for line in table.splitlines() if line.startswith("| ")][1:]
-    assert len(verdicts) == 6 and set(verdicts) <= {"met", "not met"}  # no RSS row: history not full
+    # No RSS row (history not full), no 16 MiB verify row (not a quick size).
+    assert len(verdicts) == 7 and set(verdicts) <= {"met", "not met"}
     aux = next(line for line in table.splitlines() if "aux p99" in line)
     assert ("not met" in aux) == (results["control_plane"][-1]["aux_p99_ms"] > 5)
+    verify = next(line for line in table.splitlines() if "--verify-kv adds" in line)
+    row = next(
+        r for r in results["options"] if r["variant"] == "CURVE and --verify-kv" and r["kv_kib"] == 256
+    )
+    assert ("not met" in verify) == (row["vs_default_ms"] > 0.2)
