@@ -239,7 +239,7 @@ class Bench:
                 tokens = size_kib * KIB // layout.page_bytes
                 samples = interleaved(
                     {
-                        name: lambda c=c: self.room(c, tokens)["request_to_success_s"]
+                        name: lambda c=c, t=tokens: self.room(c, t)["request_to_success_s"]
                         for name, c in clients.items()
                     },
                     3 * self.runs,  # a difference of tenths of a millisecond to find

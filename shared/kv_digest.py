@@ -3,9 +3,10 @@
 Two kinds, and each done+aux names the one its digests are of, so both ends
 always compute the same:
 
-- ``xxh3``: XXH3-64 of the bytes, what a CPU pool uses. It runs at 15-20 GB/s
-  on one core and releases the GIL, so a large room's pages are split over a
-  few threads, and the prefill digests its pages while their writes are out.
+- ``xxh3``: XXH3-64 of the bytes, what a CPU pool uses. It runs at 11-20 GB/s
+  on one core, about as fast as memory, and releases the GIL: the prefill
+  digests its pages while their writes are out, and a host with cores to spare
+  splits a large room over a few threads.
 - ``wsum``: the sum of the range's 32-bit words, word i times 2 i + 1, modulo
   2**64: a handful of tensor operations, what a CUDA pool uses, computed on the
   device. A change to one word changes it (an odd weight times a non-zero
@@ -52,18 +53,18 @@ def page_digests(
 
 
 def _xxh3(pool: KVPool, pages: list[int], offset: int, length: int) -> list[int]:
-    flat = pool.data.view(pool.num_pages, -1).view(torch.uint8)
-    if flat.is_cuda:
-        rows = torch.tensor(pages, dtype=torch.long, device=flat.device)
-        flat, pages = flat[rows, offset : offset + length].cpu(), list(range(len(pages)))
-        offset, step = 0, length
+    if pool.data.is_cuda:
+        rows = torch.tensor(pages, dtype=torch.long, device=pool.data.device)
+        flat = pool.data.view(pool.num_pages, -1).view(torch.uint8)
+        data = flat[rows, offset : offset + length].cpu().view(-1).numpy().data
+        pages, offset, step = list(range(len(pages))), 0, length
     else:
-        step = pool.layout.page_bytes
-    data = flat.reshape(-1).numpy().data  # one dimension: slices are byte ranges
+        data, step = pool.host_bytes, pool.layout.page_bytes
     digest = xxhash.xxh3_64_intdigest
     out = []
     for page in pages:
-        value = digest(data[page * step + offset : page * step + offset + length])
+        at = page * step + offset
+        value = digest(data[at : at + length])
         out.append(value - (1 << 64) if value >= _SIGN else value)
     return out
 
@@ -93,7 +94,9 @@ class Digester:
     def __init__(self, pool: KVPool, threads: int | None = None):
         self.pool = pool
         self.kind = kind_for(pool)
-        self._threads = max(1, threads or min(4, os.cpu_count() or 1))
+        # XXH3 is bound by memory bandwidth: on a host of two cores (or two hyperthreads of
+        # one) a second thread makes a large room's digests slower, not faster.
+        self._threads = max(1, threads or min(4, len(os.sched_getaffinity(0)) // 4))
         self._executor = concurrent.futures.ThreadPoolExecutor(self._threads, "kv-digest")
 
     def start(

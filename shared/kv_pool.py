@@ -1,6 +1,7 @@
 """A pool of KV pages in one registered memory region, with a free list."""
 
 import collections
+import functools
 import logging
 import random
 
@@ -36,6 +37,13 @@ class KVPool:
     @property
     def base_ptr(self) -> int:
         return self.data.data_ptr()
+
+    @functools.cached_property
+    def host_bytes(self) -> memoryview:
+        """A CPU pool's bytes, one flat view that slices without copying."""
+        if self.data.is_cuda:
+            raise ValueError("a CUDA pool's bytes are not in host memory")
+        return self.data.view(-1).view(torch.uint8).numpy().data
 
     @property
     def nbytes(self) -> int:

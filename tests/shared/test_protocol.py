@@ -161,7 +161,9 @@ STATES_BODY = {"rank": 0, "states": [{"room": 5, "state": 1}]}
         pytest.param([header() + b"x", BODY], MalformedFrame, id="long header"),
         pytest.param([header(magic=b"XXXX"), BODY], MalformedFrame, id="bad magic"),
         pytest.param([header(version=2), BODY], VersionMismatch, id="version 2"),
-        pytest.param([header(version=protocol.PROTOCOL_VERSION + 1), BODY], VersionMismatch, id="next version"),
+        pytest.param(
+            [header(version=protocol.PROTOCOL_VERSION + 1), BODY], VersionMismatch, id="next version"
+        ),
         pytest.param([header(version=0), b"\xff\xff"], VersionMismatch, id="version checked before body"),
         pytest.param([header(kind=99), BODY], UnknownMessageType, id="kind 99"),
         pytest.param([header(kind=0), BODY], UnknownMessageType, id="kind 0"),
