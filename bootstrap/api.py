@@ -16,6 +16,7 @@ from bootstrap import rooms
 from bootstrap.cluster import Cluster, NoCapacity, NoLiveNode
 from bootstrap.registry import Incompatible, Node
 from bootstrap.store import RoomData, StoreUnavailable
+from bootstrap.validation import PromptText, check_room, encode
 from shared.metrics import CONTENT_TYPE_LATEST
 from shared.registration import Heartbeat, NodeRegistration
 from shared.security import bearer, secrets_match
@@ -46,9 +47,11 @@ StateName = Literal["FAILED", "BOOTSTRAPPING", "WAITING_FOR_INPUT", "TRANSFERRIN
 
 
 class RoomRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Strict: a number sent as a string is refused, as the schema says."""
 
-    prompt: str | None = Field(None, min_length=1, description="text, tokenized with the model's tokenizer")
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    prompt: PromptText | None = Field(None, description="text, tokenized with the model's tokenizer")
     input_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, min_length=1)
     max_new_tokens: int = Field(16, ge=1)
 
@@ -59,12 +62,11 @@ class RoomRequest(BaseModel):
         return self
 
     def tokens(self, cluster: Cluster) -> list[int]:
-        if self.input_ids is None:
-            return cluster.tokenizer.encode(self.prompt or "")
-        vocab = cluster.tokenizer.vocab_size
-        if any(t >= vocab for t in self.input_ids):
-            raise HTTPException(422, f"input_ids must be below the vocabulary size {vocab}")
-        return self.input_ids
+        """The room's prompt, checked as a node will take it; Refused otherwise."""
+        param = "input_ids" if self.prompt is None else "prompt"
+        tokens = self.input_ids or encode(cluster.tokenizer, self.prompt or "", param)
+        check_room(cluster.tokenizer, cluster.settings, tokens, self.max_new_tokens, param, "max_new_tokens")
+        return tokens
 
 
 nodes = APIRouter(tags=["nodes"], dependencies=[Depends(join_token_checked)])
@@ -148,18 +150,10 @@ async def wait_finished(cluster: Cluster, room: RoomData, wait: float) -> RoomDa
     return await cluster.wait(room.room, wait, lambda r: r.done) or room
 
 
-def check_limits(cluster: Cluster, tokens: list[int], max_new_tokens: int) -> None:
-    s = cluster.settings
-    if len(tokens) > s.max_prompt_tokens:
-        raise HTTPException(422, f"prompt of {len(tokens)} tokens exceeds the cap of {s.max_prompt_tokens}")
-    if max_new_tokens > s.max_new_tokens:
-        raise HTTPException(422, f"max_new_tokens above the cap of {s.max_new_tokens}")
-
-
 async def place(
     cluster: Cluster, tokens: list[int], max_new_tokens: int, stop: list[str], stream: bool
 ) -> RoomData:
-    check_limits(cluster, tokens, max_new_tokens)
+    """Place a room whose request was checked (``bootstrap.validation``)."""
     try:
         return await cluster.place(tokens, max_new_tokens, stop, stream)
     except NoLiveNode as exc:

@@ -6,6 +6,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -18,6 +19,7 @@ from bootstrap.fast_rooms import FastRooms
 from bootstrap.openai_api import OpenAIError, openai_error
 from bootstrap.settings import BootstrapSettings
 from bootstrap.store import StoreUnavailable
+from bootstrap.validation import Refused
 from shared.heap import freeze_startup_heap
 from shared.metrics import NO_OPENTELEMETRY
 
@@ -38,7 +40,7 @@ class BodyLimit:
         declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)
         if declared is not None:
             if not declared.isdigit() or int(declared) > self.limit:
-                await self._refuse(send)
+                await self._refuse(scope, send)
                 return
             # The server never delivers more than the declared length.
             await self.app(scope, receive, send)
@@ -53,7 +55,7 @@ class BodyLimit:
             if seen > self.limit and not refused:
                 # Answer now and tell the app the client is gone; it stops reading.
                 refused = True
-                await self._refuse(send)
+                await self._refuse(scope, send)
                 return {"type": "http.disconnect"}
             return message
 
@@ -63,8 +65,11 @@ class BodyLimit:
 
         await self.app(scope, counting_receive, guarded_send)
 
-    async def _refuse(self, send: Send) -> None:
-        body = b'{"detail":"request body too large"}'
+    async def _refuse(self, scope: Scope, send: Send) -> None:
+        message = "request body too large"
+        body = msgspec.json.encode(
+            OpenAIError(413, message).body() if _openai(scope["path"]) else {"detail": message}
+        )
         await send(
             {
                 "type": "http.response.start",
@@ -87,6 +92,23 @@ def _printable(value: Any) -> Any:
     return _printable(str(value))
 
 
+def _openai(path: str) -> bool:
+    return path.startswith("/v1/")
+
+
+def _param(loc: list[Any], body: Any) -> str | None:
+    """The part of ``loc`` that is a path in the body, as OpenAI names a parameter ("messages.0.content");
+    the rest names a member of a type union."""
+    path = []
+    for part in loc:
+        if (isinstance(body, dict) and part in body) or (isinstance(body, list) and isinstance(part, int)):
+            path.append(str(part))
+            body = body[part]
+        else:
+            break
+    return ".".join(path) or None
+
+
 async def invalid_request(request: Request, exc: Exception) -> JSONResponse:
     """422 with what was wrong and where, never the input itself: it may not even be encodable.
 
@@ -101,20 +123,38 @@ async def invalid_request(request: Request, exc: Exception) -> JSONResponse:
         }
         for error in exc.errors()
     ]
-    if request.url.path.startswith("/v1/"):
-        first = detail[0] if detail else {"loc": [], "msg": "invalid request"}
-        param = ".".join(str(p) for p in first["loc"][1:]) or None
+    if _openai(request.url.path):
+        first = detail[0] if detail else {"loc": [], "msg": "invalid request", "type": ""}
+        if first["type"] == "json_invalid":  # its loc is a character position, not a parameter
+            return OpenAIError(400, f"the body is not valid JSON: {first['msg']}").response()
+        param = _param(list(first["loc"])[1:], exc.body)
         return OpenAIError(400, f"{param or 'body'}: {first['msg']}", param=param).response()
     return JSONResponse({"detail": detail}, status_code=422)
+
+
+async def refused(request: Request, exc: Exception) -> JSONResponse:
+    """A request no node could serve as it is: 422 naming why, or OpenAI's 400 under /v1."""
+    assert isinstance(exc, Refused)
+    if _openai(request.url.path):
+        return OpenAIError(400, exc.message, param=exc.param).response()
+    return JSONResponse({"detail": exc.message}, status_code=422)
 
 
 async def http_error(request: Request, exc: Exception) -> JSONResponse:
     """FastAPI's own shape, or OpenAI's under /v1."""
     assert isinstance(exc, StarletteHTTPException)
-    if request.url.path.startswith("/v1/"):
+    if _openai(request.url.path):
         code = "invalid_api_key" if exc.status_code == 401 else None
-        return OpenAIError(exc.status_code, str(exc.detail), code=code).response()
+        kind = "server_error" if exc.status_code >= 500 else "invalid_request_error"
+        return OpenAIError(exc.status_code, str(exc.detail), kind, code=code).response()
     return JSONResponse({"detail": exc.detail}, status_code=exc.status_code, headers=exc.headers)
+
+
+async def server_error(request: Request, exc: Exception) -> JSONResponse:
+    """A fault of the bootstrap's own (logged with its traceback by the server), in the route's shape."""
+    if _openai(request.url.path):
+        return OpenAIError(500, "internal error", "server_error").response()
+    return JSONResponse({"detail": "internal error"}, status_code=500)
 
 
 async def store_unavailable(request: Request, exc: Exception) -> JSONResponse:
@@ -165,6 +205,8 @@ def create_app(settings: BootstrapSettings) -> FastAPI:
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(OpenAIError, openai_error)
     app.add_exception_handler(StoreUnavailable, store_unavailable)
+    app.add_exception_handler(Refused, refused)
+    app.add_exception_handler(Exception, server_error)
     app.include_router(api.nodes)
     app.include_router(api.nodes_open)
     app.include_router(openai_api.router)

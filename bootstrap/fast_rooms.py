@@ -20,6 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from bootstrap import api
 from bootstrap.cluster import Cluster
 from bootstrap.store import StoreUnavailable
+from bootstrap.validation import Refused
 from shared.security import bearer, secrets_match
 
 PLAIN_NUMBER = re.compile(r"[0-9]{1,6}(\.[0-9]{1,6})?")  # what ?wait= is in practice; else FastAPI parses it
@@ -76,11 +77,15 @@ class FastRooms:
         try:
             # Parsed as FastAPI parses a body, then validated as it validates one.
             request = api.RoomRequest.model_validate(json.loads(body))
-        except (ValueError, ValidationError):  # JSONDecodeError is a ValueError
+        except (ValueError, ValidationError, RecursionError):  # JSONDecodeError is a ValueError
             await self.app(scope, _replay(messages, receive), send)  # FastAPI names what is wrong
             return
         try:
             tokens = request.tokens(cluster)
+        except Refused as exc:
+            await JSONResponse({"detail": exc.message}, 422)(scope, receive, send)  # as the app answers it
+            return
+        try:
             room = await api.place(cluster, tokens, request.max_new_tokens, [], False)
             response = await api.room_response(cluster, await api.wait_finished(cluster, room, wait), 201)
         except (HTTPException, StoreUnavailable) as exc:

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from bootstrap.api import ClusterDep, api_key_checked, place
 from bootstrap.store import RoomData
-from bootstrap.tokenizer import TokenizerError
+from bootstrap.validation import PromptText, Refused, Stop, Text, check_room, encode
 from shared.states import RoomState
 
 router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Depends(api_key_checked)])
@@ -38,9 +38,11 @@ class OpenAIError(Exception):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
     def response(self) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status)
 
 
 async def openai_error(request: Request, exc: Exception) -> JSONResponse:
@@ -48,17 +50,17 @@ async def openai_error(request: Request, exc: Exception) -> JSONResponse:
     return exc.response()
 
 
-Stop = str | Annotated[list[str], Field(max_length=4)] | None
-
-
 class Options(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     include_usage: bool = False
 
 
 class Sampling(BaseModel):
-    """What both endpoints take. Unknown fields are refused, as OpenAI refuses them."""
+    """What both endpoints take. Unknown fields are refused, as OpenAI refuses them, and so
+    are values of another type (a number sent as a string)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str
     stream: bool = False
@@ -75,15 +77,15 @@ class Sampling(BaseModel):
 
 
 class CompletionRequest(Sampling):
-    prompt: str | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+    prompt: PromptText | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
     max_tokens: int = Field(16, ge=1)
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
+    content: Text
 
 
 class ChatRequest(Sampling):
@@ -122,9 +124,10 @@ def _usage(room: RoomData, streamed: list[int]) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": out, "total_tokens": prompt + out}
 
 
-async def _place(cluster: Any, ids: list[int], max_tokens: int, body: Sampling) -> RoomData:
-    if any(t >= cluster.tokenizer.vocab_size for t in ids):
-        raise OpenAIError(400, "a token id is outside the vocabulary", param="prompt")
+async def _place(
+    cluster: Any, ids: list[int], max_tokens: int, body: Sampling, params: tuple[str, str]
+) -> RoomData:
+    check_room(cluster.tokenizer, cluster.settings, ids, max_tokens, *params)
     try:
         room: RoomData = await place(cluster, ids, max_tokens, body.stops(), body.stream)
         return room
@@ -219,8 +222,8 @@ async def list_models(cluster: ClusterDep) -> dict[str, Any]:
 @router.post("/completions", response_model=None)
 async def completions(body: CompletionRequest, cluster: ClusterDep) -> Response:
     _check_model(cluster, body.model)
-    ids = cluster.tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else body.prompt
-    room = await _place(cluster, ids, body.max_tokens, body)
+    ids = encode(cluster.tokenizer, body.prompt, "prompt") if isinstance(body.prompt, str) else body.prompt
+    room = await _place(cluster, ids, body.max_tokens, body, ("prompt", "max_tokens"))
     created, rid = int(time.time()), f"cmpl-{room.room}"
 
     def chunk(text: str, finish: str | None, first: bool = False) -> dict[str, Any]:
@@ -246,9 +249,11 @@ async def chat_completions(body: ChatRequest, cluster: ClusterDep) -> Response:
     _check_model(cluster, body.model)
     try:
         ids = cluster.tokenizer.chat([m.model_dump() for m in body.messages])
-    except TokenizerError as exc:
-        raise OpenAIError(400, str(exc), param="messages") from exc
-    room = await _place(cluster, ids, body.max_completion_tokens or body.max_tokens or 16, body)
+    except (ValueError, TypeError) as exc:  # TokenizerError is a ValueError
+        raise Refused(f"messages: {exc}", "messages") from exc
+    limit = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+    max_tokens = body.max_completion_tokens or body.max_tokens or 16
+    room = await _place(cluster, ids, max_tokens, body, ("messages", limit))
     created, rid = int(time.time()), f"chatcmpl-{room.room}"
 
     def chunk(text: str, finish: str | None, first: bool = False) -> dict[str, Any]:

@@ -64,6 +64,7 @@ MAX_REPORTS = 1024
 MAX_ASSIGNMENTS = 1024
 MAX_HEADS = 1024
 MAX_STOP = 8
+MAX_STOP_CHARS = 256
 
 # Room ids are exact in a float64 (JSON tools, JavaScript): below 2**53, never 0.
 MAX_ROOM_ID = (1 << 53) - 1
@@ -79,6 +80,7 @@ Endpoint = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 # A CURVE public key in Z85 (40 characters); empty where security is off.
 PublicKey = Annotated[str, msgspec.Meta(max_length=40)]
 Text = Annotated[str, msgspec.Meta(max_length=256)]
+StopText = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_STOP_CHARS)]
 
 
 class Kind(enum.IntEnum):
@@ -129,7 +131,7 @@ class DecodeRoom(msgspec.Struct, frozen=True):
     prefill_node: Text
     prefill_ranks: Annotated[list[PeerRank], msgspec.Meta(min_length=1, max_length=MAX_RANKS)]
     # Decoding ends early at one of these strings (cut from the output) or an end-of-text token.
-    stop: Annotated[list[Text], msgspec.Meta(max_length=MAX_STOP)] = []
+    stop: Annotated[list[StopText], msgspec.Meta(max_length=MAX_STOP)] = []
     stream: bool = False  # send decoded tokens to the bootstrap as they come
 
 

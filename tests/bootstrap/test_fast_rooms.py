@@ -114,7 +114,10 @@ def test_anything_else_goes_on_to_fastapi_untouched(stack, method, path, query, 
 def test_errors_after_validation_have_fastapis_shape(stack):
     too_long = json.dumps({"input_ids": [1] * 101, "max_new_tokens": 3}).encode()  # over max_prompt_tokens
     status, body, downstream = call(stack, "POST", "/rooms", body=too_long)
-    assert (status, json.loads(body)) == (422, {"detail": "prompt of 101 tokens exceeds the cap of 100"})
+    assert (status, json.loads(body)) == (
+        422,
+        {"detail": "input_ids: a prompt of 101 tokens exceeds the cap of 100"},
+    )
     assert not downstream.seen
 
 
