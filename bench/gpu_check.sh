@@ -197,7 +197,7 @@ def installed_transports(log_text: str) -> dict[str, str]:
     (its "using ... transport" line where it wrote one)."""
     found: dict[str, str] = {}
     for line in log_text.splitlines():
-        if not (info := ENGINE_INFO.match(line)):
+        if not (info := ENGINE_INFO.match(line)) or "for RPC" in line:  # its handshake's, not the data's
             continue
         said = info[1].strip()
         for transport, pattern in INSTALLED.items():

@@ -138,8 +138,10 @@ def test_the_transport_is_read_from_the_engines_information_lines(check):
         "nvlink": "Using Intra-Node NVLink transport (MC_INTRANODE_NVLINK set)"
     }
     assert check.refusal("nvlink", [log, log], None) is None
-    # An error line that names the transport does not say it was installed.
+    # An error line that names the transport does not say it was installed, nor does the handshake's.
     assert check.installed_transports(ENGINE_LOG["refused"]) == {}
+    rpc = "I1204 04:42:39.479738  6295 transfer_engine_impl.cpp:183] Using TCP transport for RPC"
+    assert check.installed_transports(rpc) == {}
 
 
 def test_a_transport_the_engine_replaced_is_refused_in_its_words(check):
