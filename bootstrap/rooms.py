@@ -29,6 +29,7 @@ REPLACEABLE = frozenset(
         FailureReason.TRANSFER_TIMEOUT,
         FailureReason.TRANSFER_FAILED,
         FailureReason.SHUTDOWN,
+        FailureReason.DRAINING,
     }
 )
 

@@ -358,7 +358,12 @@ class DecodeService(RankService):
         if msg.peer_gone:
             job.leased.clear()  # the prefill node is gone: nothing more is written
         if job.state is RoomState.SUCCESS:
-            job.abort_reason = msg.reason  # every rank decodes to the end; the output is dropped
+            # Ended now, and said so: a node that drains exits without waiting for the decode.
+            # Every rank still decodes to the end (their collectives pair up); the output is dropped.
+            if job.outcome is None:
+                job.abort_reason = msg.reason
+                job.end("failed", msg.reason)
+                self.metrics.failures.labels(msg.reason).inc()
             return
         self.set_local(job, RoomState.FAILED, msg.reason)
 
@@ -371,6 +376,8 @@ class DecodeService(RankService):
         if state is RoomState.FAILED:
             self._failed(job, reason or FailureReason.ABORTED)
             return
+        # A room that succeeded stays live while it decodes: an abort or a drain must find it.
+        job.decoding = state is RoomState.SUCCESS
         job.advance_to(state)
         if state is RoomState.SUCCESS:
             self._succeeded(job)
@@ -383,7 +390,6 @@ class DecodeService(RankService):
         job.timings["aux_latency_s"] = aux_latency
         self.metrics.aux_latency.observe(aux_latency)
         self._free_slots(job)
-        job.decoding = True
         on_token = self._streamer(job) if job.stream else None
         args = (
             job.id,
@@ -438,10 +444,11 @@ class DecodeService(RankService):
             job.decoding = False
             self._release(job)
         if job.abort_reason is not None:
-            outcome, reason, job.output_ids = "failed", job.abort_reason, None
-        job.end(outcome, reason)
-        if outcome == "failed":
-            self.metrics.failures.labels(reason or "unknown").inc()
+            job.output_ids = None  # the room ended when it was aborted
+        else:
+            job.end(outcome, reason)
+            if outcome == "failed":
+                self.metrics.failures.labels(reason or "unknown").inc()
         self.finished(job)
 
     def _failed(self, job: DecodeJob, reason: str) -> None:

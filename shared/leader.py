@@ -86,7 +86,16 @@ class NodeLeader:
         return self.membership.is_bootstrap(sender)
 
     def assign(self, msg: protocol.PrefillRoom | protocol.DecodeRoom | protocol.AbortRoom) -> None:
-        """Give every rank the same assignment, in the order they came: the order of their collectives."""
+        """Give every rank the same assignment, in the order they came: the order of their collectives.
+
+        A draining node refuses a room it has not seen before any rank takes it: the room ends
+        FAILED ``draining`` here, and the bootstrap places it elsewhere.
+        """
+        rooms = self.service.rooms
+        if self.draining and not isinstance(msg, protocol.AbortRoom) and rooms.find(msg.room) is None:
+            log.info("room=%d refused: the node drains", msg.room, extra={"room": msg.room})
+            self.report(rooms.ended_unseen(msg.room, FailureReason.DRAINING))
+            return
         if self.links is not None:
             self.links.broadcast(msg)
         self.service.handle_assignment(msg)

@@ -202,14 +202,21 @@ class Membership:
         )
 
     async def run(self) -> None:
-        """Register, then heartbeat; register again whenever the bootstrap forgot us. Until cancelled."""
+        """Register, then heartbeat; register again whenever the bootstrap forgot us. Until cancelled.
+
+        A draining node goes on beating, or the bootstrap would take it for dead while its last
+        rooms run; it does not register again.
+        """
         self.loop = asyncio.get_running_loop()
         s = self.settings
         retry = s.register_retry_s
         async with httpx.AsyncClient(base_url=s.bootstrap_url, timeout=5.0) as client:
-            while self.standing is not Standing.DRAINING:
+            while True:
+                draining = self.standing is Standing.DRAINING
                 try:
                     if not self.registered.is_set():
+                        if draining:
+                            return
                         await self._register(client)
                     beat = self._heartbeat()
                     resp = await client.put(
@@ -223,9 +230,14 @@ class Membership:
                         refused = resp.status_code in REFUSED
                         raise RegistrationError(f"heartbeat: {resp.status_code} {_detail(resp)}", refused)
                     self._accept(resp.json())
-                    self.standing, self.problem = Standing.REGISTERED, None
+                    if not draining:
+                        self.standing, self.problem = Standing.REGISTERED, None
                     retry = s.register_retry_s
                 except (httpx.HTTPError, RegistrationError, ValueError) as exc:
+                    if draining:  # it leaves soon, whatever the bootstrap says
+                        log.warning("heartbeat while draining: %s", exc)
+                        await asyncio.sleep(s.heartbeat_interval_s)
+                        continue
                     refused = isinstance(exc, RegistrationError) and exc.refused
                     self.standing = Standing.REFUSED if refused else Standing.UNREACHABLE
                     self.problem = f"registration {self.standing}: {exc}"

@@ -97,12 +97,14 @@ class RoomTable:
         while len(self.finished) > self._remember:
             self.finished.popitem(last=False)
 
-    def ended_unseen(self, room_id: int, reason: str) -> None:
-        """An abort for a room never seen here: a second bootstrap's abort can overtake the first's
-        assignment. The room is remembered as failed, so that assignment is refused when it comes."""
+    def ended_unseen(self, room_id: int, reason: str) -> Room:
+        """A room never taken here, ended: an abort that overtook its assignment (a second
+        bootstrap's), or an assignment refused. It is remembered as failed, so that an assignment
+        of it that comes (again) is refused as a duplicate."""
         room = Room(room_id)
         room.fail(reason)
         self.retire(room)
+        return room
 
     def find(self, room_id: int) -> Room | None:
         return self.live.get(room_id) or self.finished.get(room_id)

@@ -18,6 +18,7 @@ import ctypes
 import datetime
 import logging
 import multiprocessing
+import os
 import signal
 import tempfile
 import time
@@ -93,6 +94,14 @@ def run_node(role: str, settings: NodeSettings, factory: ServiceFactory) -> None
     configure_logging(settings.log_level, settings.log_format, f"{role}")
     configure_determinism()
     uvloop.run(_leader(role, settings, factory))
+    _exit_now()
+
+
+def _exit_now() -> None:
+    """Exit once the node stopped, without waiting for a model thread still decoding a room that
+    was ended ``shutdown``: the interpreter would join it, however long its decode."""
+    logging.shutdown()
+    os._exit(0)
 
 
 def http_app(role: str, leader: NodeLeader, metrics: ServiceMetrics) -> FastAPI:
@@ -161,6 +170,13 @@ async def _leader(
     service = factory(rank, leader, agree, metrics)
     service.loop = loop
     leader.service = service
+
+    def drain_now() -> None:
+        leader.draining = True  # new rooms are refused from this moment, before the drain begins
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, drain_now)
 
     def known_rooms() -> list[Room]:
         return [*service.rooms.live.values(), *service.rooms.finished.values()]
@@ -310,6 +326,7 @@ def rank_main(role: str, settings: NodeSettings, index: int, link_dir: Path, por
 
     factory: ServiceFactory = DecodeService if role == "decode" else PrefillService
     uvloop.run(_follower(role, settings, index, link_dir, port, factory))
+    _exit_now()
 
 
 async def _follower(

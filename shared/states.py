@@ -37,6 +37,7 @@ class FailureReason(enum.StrEnum):
     AUX_MISMATCH = "aux_mismatch"
     KV_CORRUPT = "kv_corrupt"
     SHUTDOWN = "shutdown"
+    DRAINING = "draining"  # a draining node refused a new room: it is placed elsewhere
     DEADLINE = "deadline"
     ORPHANED = "orphaned"
 

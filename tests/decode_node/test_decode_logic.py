@@ -57,7 +57,7 @@ def run(test, **settings):
             zmq_security="plain",
             **settings,
         )
-        rank = Rank(s, 0, make_source(s, 0, None), Security(None), FakeEngine("decode", {}))
+        rank = Rank(s, 0, make_source(s, 0, None), Security(None), FakeEngine("decode:1", {}))
         node = Node()
         service = DecodeService(rank, node, Solo(), ServiceMetrics("decode"))
         service.loop = asyncio.get_running_loop()
@@ -176,8 +176,8 @@ def test_messages_from_another_key_or_for_others_slots_are_rejected_without_effe
         assert job.state is other.state is RoomState.BOOTSTRAPPING
         assert service.aux.read(other.slots[0]) == bytes(24)  # nothing was written into it
         done(service)
-        with pytest.raises(RejectedMessage, match="finished"):
-            done(service)  # the duplicate
+        with pytest.raises(RejectedMessage, match="duplicate done"):
+            done(service)  # the duplicate, while the room decodes
         assert job.state is RoomState.SUCCESS and other.state is RoomState.BOOTSTRAPPING
 
     run(body)
@@ -373,3 +373,50 @@ def test_an_abort_never_overtakes_the_request_it_cancels():
         assert len(sent) == 2  # nothing sent twice
 
     run(test)
+
+
+def test_a_room_stays_live_while_it_decodes_and_an_abort_ends_it_at_once():
+    """A drain must find the rooms still decoding; the abort it sends ends each one at once (the
+    node may exit before the decode would end), and the output that comes is dropped."""
+
+    async def body(service, node):
+        job = assign(service)
+        accept(service)
+        start(service)
+        done(service)
+        assert job.state is RoomState.SUCCESS and job.outcome is None
+        assert service.rooms.live.get(ROOM) is job and service.health().rooms_in_flight == 1
+        service.handle_assignment(protocol.AbortRoom(room=ROOM, rank=0, reason="shutdown"))
+        assert (job.outcome, job.reason) == ("failed", "shutdown")
+        assert node.reports[-1] is RoomState.SUCCESS  # reported with its outcome, now
+        await until(lambda: ROOM not in service.rooms.live)
+        assert (job.outcome, job.reason, job.output_ids) == ("failed", "shutdown", None)
+        assert service.pool.free_pages == 32
+
+    run(body)
+
+
+def test_a_draining_leader_refuses_rooms_it_has_not_seen():
+    """New rooms are refused before any rank takes them (FAILED draining, reported); a room the
+    node already holds is still its own, and an abort still reaches it."""
+    from shared.leader import NodeLeader
+
+    async def body(service, node):
+        leader = NodeLeader("decode", "d", service.rank, 1, None)
+        leader.service = service
+        leader.membership = node  # records the reports
+        leader.assign(protocol.DecodeRoom(ROOM, 20, 5, "p", [PREFILL]))
+        leader.draining = True
+        leader.assign(protocol.DecodeRoom(ROOM + 1, 20, 5, "p", [PREFILL]))
+        refused = service.rooms.find(ROOM + 1)
+        assert ROOM + 1 not in service.rooms.live and (refused.state, refused.reason) == (
+            RoomState.FAILED,
+            "draining",
+        )
+        assert node.reports == [RoomState.FAILED] and service.pool.free_pages == 32 - 2
+        with pytest.raises(RejectedMessage):  # the same room again: a duplicate, as before
+            leader.assign(protocol.DecodeRoom(ROOM, 20, 5, "p", [PREFILL]))
+        leader.assign(protocol.AbortRoom(room=ROOM, rank=0, reason="shutdown"))
+        assert service.rooms.find(ROOM).state is RoomState.FAILED
+
+    run(body)
