@@ -39,7 +39,7 @@ done
 ENGINE="mooncake-transfer-engine-cuda13==0.3.14"
 # What kvroom imports at run time (with their own requirements) that the GPU host's image
 # lacks; typing-extensions is there, but pydantic may want a newer one.
-PACKAGES=(fastapi starlette uvicorn httptools pyzmq msgspec pydantic pydantic-core pydantic-settings
+PACKAGES=(fastapi starlette uvicorn httptools pyzmq msgspec xxhash pydantic pydantic-core pydantic-settings
   python-dotenv annotated-types typing-inspection opentelemetry-api typing-extensions)
 # The image's own packages that carried wheels require: pip takes them from there.
 IMAGE_HAS="aiohttp requests msgpack anyio idna click h11 annotated-doc typing-extensions"
@@ -113,7 +113,7 @@ done
 # What the GPU host installs: kvroom's own needs; pip takes their requirements from .whl/ or the image.
 {
   echo "$ENGINE"
-  tr ' ' '\n' <<<"$pins" | grep -E '^(fastapi|uvicorn|httptools|pyzmq|msgspec|pydantic|pydantic-settings)=='
+  tr ' ' '\n' <<<"$pins" | grep -E '^(fastapi|uvicorn|httptools|pyzmq|msgspec|xxhash|pydantic|pydantic-settings)=='
 } >.whl/requirements.txt
 
 # Every requirement of a carried wheel is carried (at a version it accepts) or in the image.

@@ -21,6 +21,7 @@ class Tokenizer(Protocol):
     name: str
     digest: str
     vocab_size: int
+    max_positions: int | None  # the model's context: prompt and new tokens together
     has_chat_template: bool
 
     def encode(self, text: str) -> list[int]: ...
@@ -35,10 +36,13 @@ class ByteTokenizer:
 
     digest = "bytes"
     vocab_size = 256
+    # The reference model's context (shared.model.ModelConfig); synthetic KV has none.
+    REFERENCE_POSITIONS = 8192
     has_chat_template = False
 
     def __init__(self, name: str = "reference"):
         self.name = name
+        self.max_positions: int | None = self.REFERENCE_POSITIONS if name == "reference" else None
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -63,6 +67,7 @@ class HFTokenizer:
         config_path = path / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.exists() else {}
         self.vocab_size = _vocab_size(path, self._backend.get_vocab_size())
+        self.max_positions = _config(path).get("max_position_embeddings")
         self._specials = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token")}
         template = config.get("chat_template")
         self.has_chat_template = isinstance(template, str)
@@ -90,11 +95,13 @@ def _token_text(value: Any) -> str:
     return str(value or "")
 
 
-def _vocab_size(path: Path, fallback: int) -> int:
+def _config(path: Path) -> dict[str, Any]:
     config = path / "config.json"
-    if config.exists():
-        return int(json.loads(config.read_text()).get("vocab_size", fallback))
-    return fallback
+    return dict(json.loads(config.read_text())) if config.exists() else {}
+
+
+def _vocab_size(path: Path, fallback: int) -> int:
+    return int(_config(path).get("vocab_size", fallback))
 
 
 def _compile(template: str) -> Any:

@@ -66,3 +66,10 @@ def check_room(
         raise Refused(f"{param}: token ids must be below the vocabulary size {vocab}", param)
     if max_new_tokens > settings.max_new_tokens:
         raise Refused(f"{max_param}: above the cap of {settings.max_new_tokens}", max_param)
+    context = tokenizer.max_positions
+    if context is not None and len(tokens) + max_new_tokens > context:
+        raise Refused(
+            f"{max_param}: the model's context is {context} tokens; the prompt's {len(tokens)} "
+            f"and {max_new_tokens} new ones exceed it",
+            max_param,
+        )

@@ -19,6 +19,7 @@ The digests of the model's files live in ``shared.model_files``, which the
 bootstrap reads without torch.
 """
 
+import inspect
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -108,6 +109,10 @@ class HFSource(KVSource):
                 raise ValueError("tensor parallelism needs an all_reduce")
             _shard(model, rank, tp, all_reduce)
         self.model = model.to(self.device).eval()
+        # transformers before 5.2x names the KV cache argument past_key_values; a model given a
+        # name it does not take ignores it, and prefill then has no cache at all.
+        forward = inspect.signature(self.model.forward).parameters
+        self._cache_argument = "cache" if "cache" in forward else "past_key_values"
         self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         generation = model.generation_config
         eos = generation.eos_token_id if generation.eos_token_id is not None else config.eos_token_id
@@ -152,7 +157,7 @@ class HFSource(KVSource):
             input_ids=torch.tensor([ids], device=self.device),
             attention_mask=torch.ones(1, start + len(ids), dtype=torch.long, device=self.device),
             position_ids=torch.arange(start, start + len(ids), device=self.device).unsqueeze(0),
-            cache=cache,
+            **{self._cache_argument: cache},
             use_cache=True,
             logits_to_keep=1,
         )
