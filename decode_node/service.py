@@ -259,7 +259,7 @@ class DecodeService(RankService):
             pages, (heads.start - mine.start) * hb, heads.count * hb, msg.digest_kind
         )
         if pending.done():
-            self._compare_digests(job, p, msg, landed, pending.result())
+            self._compare_digests(job, p, msg, landed, pending)
             return
         job.checking.add(p)
         self.spawn(self._await_digests(job, p, msg, landed, pending))
@@ -279,17 +279,29 @@ class DecodeService(RankService):
         pending: "concurrent.futures.Future[list[int]]",
     ) -> None:
         try:
-            ours = await asyncio.wrap_future(pending)
+            await asyncio.wait([asyncio.wrap_future(pending)])  # its failure is _compare_digests' to tell
         finally:
             job.checking.discard(p)
         if job.id in self.rooms.live:
-            self._compare_digests(job, p, msg, landed, ours)
+            self._compare_digests(job, p, msg, landed, pending)
 
     def _compare_digests(
-        self, job: DecodeJob, p: int, msg: protocol.KvDone, landed: bytes | None, ours: list[int]
+        self,
+        job: DecodeJob,
+        p: int,
+        msg: protocol.KvDone,
+        landed: bytes | None,
+        pending: "concurrent.futures.Future[list[int]]",
     ) -> None:
+        try:
+            ours = pending.result()
+        except Exception:  # pages that could not be digested are not verified
+            log.exception(
+                "room=%d could not digest the pages of prefill rank %d", job.id, p, extra={"room": job.id}
+            )
+            ours = None
         intact = ours == msg.digests
-        if not intact:
+        if ours is not None and not intact:
             bad = next(i for i, (a, b) in enumerate(zip(ours, msg.digests or [], strict=False)) if a != b)
             log.error(
                 "room=%d page %d from prefill rank %d does not match its digest",

@@ -420,3 +420,28 @@ def test_a_draining_leader_refuses_rooms_it_has_not_seen():
         assert service.rooms.find(ROOM).state is RoomState.FAILED
 
     run(body)
+
+
+@pytest.mark.parametrize("large", [False, True])
+def test_verified_pages_that_match_succeed_and_pages_that_cannot_be_digested_fail(monkeypatch, large):
+    """At once for a small room, in the digest thread for a large one; a digest that raised
+    leaves the pages unverified: the room fails, it never waits or succeeds."""
+    from shared import kv_digest
+
+    if large:
+        monkeypatch.setattr(kv_digest, "INLINE_BYTES", 0)
+
+    async def body(service, node):
+        for room, broken in ((ROOM, False), (ROOM + 1, True)):
+            job = assign(service, room)
+            pages = job.pages[:2]
+            digests = kv_digest.page_digests(service.pool, pages, 0, service.layout.page_bytes)
+            if broken:
+                monkeypatch.setattr(kv_digest, "page_digests", lambda *a: 1 / 0)
+            msg = protocol.KvDone(room, 0, 0, job.slots[0], 2, 0, 0.0, digests=digests)
+            service.handle_peer(msg, Aux(room, 65, 20, -0.5).pack(), PREFILL_KEY)
+            await until(lambda job=job: not job.checking and job.state is not RoomState.BOOTSTRAPPING)
+            expected = (RoomState.FAILED, "kv_corrupt") if broken else (RoomState.SUCCESS, None)
+            assert (job.state, job.reason) == expected
+
+    run(body, verify_kv=True)

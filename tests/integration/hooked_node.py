@@ -3,7 +3,8 @@
 ``KVROOM_TEST_ROLE`` (prefill or decode) picks the node, ``KVROOM_TEST_HOOK`` what breaks:
 
 - ``break-decode``: the model raises while decoding a room whose prompt is 13 tokens long.
-- ``corrupt-kv``: one byte of the first page a room's KV landed in is changed after the write,
+- ``corrupt-kv``: one byte of a page a room's KV landed in (``KVROOM_TEST_CORRUPT_PAGE``: its
+  index among the room's pages, -1 the last; the first by default) is changed after the write,
   before the decode digests the pages (verify mode catches it).
 - ``late-write``: the first KV write is held back by the engine until the file
   ``KVROOM_TEST_RELEASE_FILE`` exists (long after the node gave up on it), then moves for
@@ -42,11 +43,12 @@ def break_decode() -> None:
 
 def corrupt_kv() -> None:
     real = kv_digest.page_digests
+    which = int(os.environ.get("KVROOM_TEST_CORRUPT_PAGE", "0"))  # of the room's pages; -1: the last
 
-    def page_digests(pool: Any, pages: list[int], offset: int, length: int) -> list[int]:
+    def page_digests(pool: Any, pages: list[int], offset: int, length: int, *kind: Any) -> list[int]:
         page_bytes = pool.data.view(pool.num_pages, -1).view(torch.uint8)
-        page_bytes[pages[0], offset] ^= 0x10  # one byte of what the prefill wrote there
-        return real(pool, pages, offset, length)
+        page_bytes[pages[which], offset + length - 1] ^= 0x10  # one byte of what the prefill wrote there
+        return real(pool, pages, offset, length, *kind)
 
     kv_digest.page_digests = page_digests
 

@@ -190,17 +190,19 @@ def test_no_changed_aux_byte_ever_gives_success(stack, held, model):
     wait_for(lambda: pools_full(prefill, decode), 10, "pools full")
 
 
-def test_a_changed_kv_byte_is_kv_corrupt(stack, model):
+@pytest.mark.parametrize("page", ["0", "-1"])
+def test_a_changed_kv_byte_is_kv_corrupt(stack, model, page):
+    """A byte changed in the first or the last page of a room of several pages."""
     stack.bootstrap.start()
     stack.bootstrap.wait_healthy(registered=False)
-    env = {"KVROOM_TEST_HOOK": "corrupt-kv", "KVROOM_TEST_ROLE": "decode"}
+    env = {"KVROOM_TEST_HOOK": "corrupt-kv", "KVROOM_TEST_ROLE": "decode", "KVROOM_TEST_CORRUPT_PAGE": page}
     decode = stack.node("decode", "decode-0", module=HOOKED, env=env).start()
     prefill = stack.node("prefill", "prefill-0").start()
     decode.wait_healthy()
     prefill.wait_healthy()
     with stack.client() as client:
         final = client.post(
-            "/rooms", json={"prompt": "bit rot", "max_new_tokens": 4}, params={"wait": 20}
+            "/rooms", json={"prompt": "bit rot " * 12, "max_new_tokens": 4}, params={"wait": 20}
         ).json()
         assert (final["state"], final["reason"], final["output_ids"]) == ("FAILED", "kv_corrupt", None)
     assert metric(decode, "kvroom_room_failures_total", 'reason="kv_corrupt"') == 1
