@@ -8,7 +8,7 @@ from pydantic_settings import BaseSettings, SettingsError
 
 from shared.errors import KvroomError
 
-VERSION = "0.2.0"
+VERSION = "0.3.0"
 S = TypeVar("S", bound=BaseSettings)
 
 

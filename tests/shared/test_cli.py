@@ -63,3 +63,9 @@ def test_the_environment_is_read_under_the_services_prefix(monkeypatch):
     monkeypatch.setenv("KVROOM_PREFILL_HTTP_PORT", "8300")
     assert parse_settings(PrefillSettings, []).http_port == 8300
     assert parse_settings(PrefillSettings, ["--http-port", "8400"]).http_port == 8400  # flags on top
+
+
+def test_the_package_and_every_version_flag_share_one_version():
+    from importlib.metadata import version
+
+    assert version("kvroom") == VERSION
