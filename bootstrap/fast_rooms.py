@@ -4,8 +4,9 @@ about as much CPU as the rest of a room put together.
 
 Only requests that the full route would accept are answered here, with the same body: anything
 else (a missing or wrong API key, a query other than ``wait``, a body that does not validate, a
-room that is not known) goes on to FastAPI unchanged, which answers with its own errors. Once a
-room is placed, errors (503 and the like) are answered here, in FastAPI's shape.
+room that is not known) goes on to FastAPI unchanged, which answers with its own errors. A body
+that validates but breaks a rule of ``bootstrap.validation``, and errors once a room is placed
+(503 and the like), are answered here, in the app's shape.
 """
 
 import json

@@ -383,7 +383,7 @@ class DecodeService(RankService):
 
     def on_agreed(self, room: int, state: RoomState, reason: str | None) -> None:
         job = self.rooms.live.get(room)
-        if not isinstance(job, DecodeJob):
+        if not isinstance(job, DecodeJob) or job.state.terminal:  # decoding, or ended
             return
         if state is RoomState.FAILED:
             self._failed(job, reason or FailureReason.ABORTED)

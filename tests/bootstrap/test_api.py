@@ -312,3 +312,25 @@ def test_room_history_is_bounded():
         assert [r.room for r in await store.recent(10)] == [6, 5, 4]
 
     asyncio.run(run())
+
+
+def test_a_fault_of_the_bootstraps_own_is_a_500_in_the_routes_shape():
+    settings = BootstrapSettings(http_port=free_port(), zmq_port=free_port(), join_token=JOIN)
+    with TestClient(create_app(settings), raise_server_exceptions=False) as client:
+        two_nodes(client)
+
+        def broken(text):
+            raise RuntimeError("a bug, on purpose")
+
+        client.app.state.cluster.tokenizer.encode = broken
+        body = {"model": "reference", "prompt": "hi"}
+        answer = client.post("/v1/completions", json=body)
+        assert answer.status_code == 500
+        assert answer.json()["error"] == {
+            "message": "internal error",
+            "type": "server_error",
+            "param": None,
+            "code": None,
+        }
+        answer = client.post("/rooms", json={"prompt": "hi"})
+        assert (answer.status_code, answer.json()) == (500, {"detail": "internal error"})
