@@ -103,7 +103,8 @@ class Digester:
         self, pages: list[int], offset: int, length: int, kind: DigestKind | None = None
     ) -> "concurrent.futures.Future[list[int]]":
         kind = kind or self.kind
-        if len(pages) * length <= INLINE_BYTES or kind == "wsum":
+        on_device = kind == "wsum" and self.pool.data.is_cuda  # a few kernels, whatever the size
+        if len(pages) * length <= INLINE_BYTES or on_device:
             done: concurrent.futures.Future[list[int]] = concurrent.futures.Future()
             try:
                 done.set_result(page_digests(self.pool, pages, offset, length, kind))
