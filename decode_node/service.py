@@ -20,6 +20,7 @@ are freed at once on any end: the aux never arrives by DMA.
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -82,7 +83,6 @@ class DecodeService(RankService):
         self.aux = AuxBuffers(self.settings.aux_slots)
         # Failed rooms whose pages are still lent out, until released or timed out.
         self.fenced: dict[int, DecodeJob] = {}
-        self.prefill_pages = self.layout.pages_for
         self.requests: PerTurn[protocol.TransferRequest] = PerTurn(self._send_requests)
 
     def health(self) -> protocol.RankHealth:
@@ -279,7 +279,8 @@ class DecodeService(RankService):
         pending: "concurrent.futures.Future[list[int]]",
     ) -> None:
         try:
-            await asyncio.wait([asyncio.wrap_future(pending)])  # its failure is _compare_digests' to tell
+            with contextlib.suppress(Exception):  # its failure is _compare_digests' to tell
+                await asyncio.wrap_future(pending)
         finally:
             job.checking.discard(p)
         if job.id in self.rooms.live:

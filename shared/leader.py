@@ -78,7 +78,6 @@ class NodeLeader:
         self.pids: dict[int, int | None] = {0: os.getpid()}
         self.broken: str | None = None
         self.draining = False
-        self.started = time.time()
 
     # -- what rank 0's service tells the node (NodeHooks) ------------------------------
 

@@ -72,8 +72,3 @@ def forward_path(current: RoomState, target: RoomState) -> list[RoomState]:
     if current.terminal or target is S.FAILED or target <= current:
         return []
     return _FORWARD[_FORWARD.index(current) + 1 : _FORWARD.index(target) + 1]
-
-
-def agreed_state(states: list[RoomState]) -> RoomState:
-    """The state every rank can stand behind: no rank proceeds alone."""
-    return min(states)

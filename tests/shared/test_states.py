@@ -3,7 +3,7 @@ import itertools
 import pytest
 
 from shared.errors import IllegalTransition
-from shared.states import TRANSITIONS, RoomState, agreed_state, check_transition, forward_path
+from shared.states import TRANSITIONS, RoomState, check_transition, forward_path
 
 S = RoomState
 LEGAL = {
@@ -43,12 +43,6 @@ def test_table_is_exactly_the_legal_set():
 def test_terminal_states_absorb():
     assert S.SUCCESS.terminal and S.FAILED.terminal
     assert not TRANSITIONS[S.SUCCESS] and not TRANSITIONS[S.FAILED]
-
-
-def test_ranks_agree_on_the_minimum():
-    assert agreed_state([S.SUCCESS, S.TRANSFERRING, S.SUCCESS]) is S.TRANSFERRING
-    assert agreed_state([S.SUCCESS, S.FAILED]) is S.FAILED
-    assert agreed_state([S.SUCCESS]) is S.SUCCESS
 
 
 def test_forward_path_walks_the_table():
