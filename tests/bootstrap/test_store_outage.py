@@ -14,7 +14,7 @@ from shared.security import Security
 from shared.states import RoomState
 from tests.bootstrap.silent_node import join
 from tests.bootstrap.test_api import AUTH, make_client
-from tests.integration.helpers import wait_for
+from tests.support import until
 
 
 def epoch(client) -> str:
@@ -47,11 +47,11 @@ def test_a_report_the_store_failed_on_renews_the_epoch(silent_nodes, monkeypatch
             report = protocol.RoomStatus(room=transfer, state=int(RoomState.WAITING_FOR_INPUT))
             sock.send_multipart(protocol.encode(protocol.RoomReports("d0", [report])))
 
-            wait_for(lambda: epoch(client) != before, 10, "the epoch to change after a lost report")
+            until(lambda: epoch(client) != before, 10, "the epoch to change after a lost report")
             assert failed
             assert client.get(f"/rooms/{room}").json()["transfer_state"] == "BOOTSTRAPPING"  # it was lost
             sock.send_multipart(protocol.encode(protocol.RoomReports("d0", [report])))  # reported again
-            wait_for(
+            until(
                 lambda: client.get(f"/rooms/{room}").json()["transfer_state"] == "WAITING_FOR_INPUT",
                 10,
                 "the report sent again to be applied",

@@ -19,6 +19,7 @@ from shared.rank import Rank
 from shared.security import CurveKeys, Security
 from shared.states import RoomState
 from tests.fakes import FakeEngine
+from tests.support import until_async
 
 PREFILL_KEY = CurveKeys.generate().public
 PREFILL = protocol.PeerRank(0, "prefill:1", "tcp://127.0.0.1:9", PREFILL_KEY, 0, 4)
@@ -91,13 +92,6 @@ def start(service, sender=PREFILL_KEY):
     service.handle_peer(protocol.TransferStarted(ROOM, 0, 0), None, sender)
 
 
-async def until(condition, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
-
-
 def test_success_needs_accept_start_done_and_a_valid_aux():
     async def body(service, node):
         job = assign(service)
@@ -112,7 +106,7 @@ def test_success_needs_accept_start_done_and_a_valid_aux():
         done(service)
         assert job.state is RoomState.SUCCESS
         assert service.aux.free_slots == 4  # read and zeroed before decoding
-        await until(lambda: job.outcome is not None)
+        await until_async(lambda: job.outcome is not None)
         assert job.outcome == "completed" and len(job.output_ids) == 5
         assert service.pool.free_pages == 32
         assert node.reports[-1] is RoomState.SUCCESS
@@ -269,7 +263,7 @@ def test_a_decode_that_raises_ends_the_outcome_failed_and_is_counted():
         job = assign(service)
         done(service)
         assert job.state is RoomState.SUCCESS
-        await until(lambda: job.outcome is not None)
+        await until_async(lambda: job.outcome is not None)
         assert (job.outcome, job.reason, job.output_ids) == ("failed", "decode_failed", None)
         assert job.view()["state"] == "FAILED" and job.view()["transfer_state"] == "SUCCESS"
         assert service.metrics.failures.labels("decode_failed")._value.get() == 1
@@ -389,7 +383,7 @@ def test_a_room_stays_live_while_it_decodes_and_an_abort_ends_it_at_once():
         service.handle_assignment(protocol.AbortRoom(room=ROOM, rank=0, reason="shutdown"))
         assert (job.outcome, job.reason) == ("failed", "shutdown")
         assert node.reports[-1] is RoomState.SUCCESS  # reported with its outcome, now
-        await until(lambda: ROOM not in service.rooms.live)
+        await until_async(lambda: ROOM not in service.rooms.live)
         assert (job.outcome, job.reason, job.output_ids) == ("failed", "shutdown", None)
         assert service.pool.free_pages == 32
 
@@ -440,7 +434,7 @@ def test_verified_pages_that_match_succeed_and_pages_that_cannot_be_digested_fai
                 monkeypatch.setattr(kv_digest, "page_digests", lambda *a: 1 / 0)
             msg = protocol.KvDone(room, 0, 0, job.slots[0], 2, 0, 0.0, digests=digests)
             service.handle_peer(msg, Aux(room, 65, 20, -0.5).pack(), PREFILL_KEY)
-            await until(lambda job=job: not job.checking and job.state is not RoomState.BOOTSTRAPPING)
+            await until_async(lambda job=job: not job.checking and job.state is not RoomState.BOOTSTRAPPING)
             expected = (RoomState.FAILED, "kv_corrupt") if broken else (RoomState.SUCCESS, None)
             assert (job.state, job.reason) == expected
 

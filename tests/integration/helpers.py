@@ -1,20 +1,8 @@
-import time
-from collections.abc import Callable
 from typing import Any
 
 import httpx
 
 from launcher.local_stack import Service
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
 
 
 def node_room(service: Service, room: int) -> dict[str, Any] | None:

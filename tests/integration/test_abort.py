@@ -1,8 +1,9 @@
 """DELETE /rooms/{room} on a room in flight: FAILED aborted on both nodes, pages back."""
 
 from shared import protocol
-from tests.integration.helpers import metric, node_room, pools_full, wait_for
+from tests.integration.helpers import metric, node_room, pools_full
 from tests.integration.holding_proxy import in_front_of
+from tests.support import until
 
 
 def test_abort_in_flight_room(stack):
@@ -23,8 +24,8 @@ def test_abort_in_flight_room(stack):
             room = client.post("/rooms", json={"prompt": "abort me " * 20, "max_new_tokens": 50}).json()[
                 "room"
             ]
-            wait_for(lambda: proxy.held_rooms() == {room}, 20, "the transfer request to be held")
-            wait_for(lambda: node_room(prefill, room)["state"] == "WAITING_FOR_INPUT", 20, "prefill to wait")
+            until(lambda: proxy.held_rooms() == {room}, 20, "the transfer request to be held")
+            until(lambda: node_room(prefill, room)["state"] == "WAITING_FOR_INPUT", 20, "prefill to wait")
             # The decode has not heard back from its prefill: still bootstrapping.
             assert node_room(decode, room)["state"] == "BOOTSTRAPPING"
             assert decode.health()["free_pages"] < decode.health()["total_pages"]
@@ -33,9 +34,9 @@ def test_abort_in_flight_room(stack):
             assert resp.status_code == 200
             assert resp.json()["state"] == "FAILED" and resp.json()["reason"] == "aborted"
             for node in (prefill, decode):
-                wait_for(lambda node=node: node_room(node, room)["state"] == "FAILED", 10, "node to fail")
+                until(lambda node=node: node_room(node, room)["state"] == "FAILED", 10, "node to fail")
                 assert node_room(node, room)["reason"] == "aborted"
-            wait_for(lambda: pools_full(prefill, decode), 10, "pages and aux slots back")
+            until(lambda: pools_full(prefill, decode), 10, "pages and aux slots back")
             final = client.get(f"/rooms/{room}").json()
             assert final["state"] == "FAILED" and final["reason"] == "aborted"
             assert final["output_ids"] is None and final["finished"]
@@ -44,7 +45,7 @@ def test_abort_in_flight_room(stack):
 
             # The late request reaches the prefill: it is refused, nothing is written.
             proxy.release()
-            wait_for(
+            until(
                 lambda: metric(prefill, "kvroom_messages_rejected_total", 'kind="finished"') == 1,
                 10,
                 "the late request to be refused",
@@ -54,7 +55,7 @@ def test_abort_in_flight_room(stack):
 
             # The nodes go on serving.
             after = client.post("/rooms", json={"prompt": "next", "max_new_tokens": 3}).json()["room"]
-            wait_for(lambda: proxy.held_rooms() == {after}, 20, "the next request")
+            until(lambda: proxy.held_rooms() == {after}, 20, "the next request")
             proxy.release()
             assert client.get(f"/rooms/{after}", params={"wait": 30}).json()["state"] == "SUCCESS"
             assert metric(stack.bootstrap, "kvroom_room_failures_total", 'reason="aborted"') == 1

@@ -8,8 +8,9 @@ from shared import protocol
 from shared.aux_buffers import AUX_RECORD, Aux
 from shared.model import encode_text, generate
 from tests.integration.conftest import NOTICES_AT_ONCE
-from tests.integration.helpers import metric, node_room, pools_full, wait_for
+from tests.integration.helpers import metric, node_room, pools_full
 from tests.integration.holding_proxy import in_front_of
+from tests.support import until
 
 
 @pytest.fixture
@@ -47,12 +48,12 @@ def test_room_is_not_success_until_its_aux_arrives(stack, held, model):
         other = client.post("/rooms", json={"prompt": "a neighbour", "max_new_tokens": 6}).json()["room"]
         prompt = "held back " * 10
         room = client.post("/rooms", json={"prompt": prompt, "max_new_tokens": 8}).json()["room"]
-        wait_for(lambda: proxy.held_rooms() == {room, other}, 20, "both done+aux messages held")
+        until(lambda: proxy.held_rooms() == {room, other}, 20, "both done+aux messages held")
         proxy.release(other)
 
         # KV writes completed (the prefill is done), the aux is missing: not SUCCESS.
-        wait_for(lambda: node_room(prefill, room)["state"] == "SUCCESS", 10, "the prefill to finish")
-        wait_for(lambda: client.get(f"/rooms/{room}").json()["state"] == "TRANSFERRING", 10, "the report")
+        until(lambda: node_room(prefill, room)["state"] == "SUCCESS", 10, "the prefill to finish")
+        until(lambda: client.get(f"/rooms/{room}").json()["state"] == "TRANSFERRING", 10, "the report")
         for _ in range(10):
             assert node_room(decode, room)["state"] == "TRANSFERRING"
             assert client.get(f"/rooms/{room}").json()["state"] == "TRANSFERRING"
@@ -60,7 +61,7 @@ def test_room_is_not_success_until_its_aux_arrives(stack, held, model):
 
         # The done notice alone, its aux frame cut off: the KV is done, the aux is not here.
         proxy.inject(proxy.held_for(room)[:2])
-        wait_for(lambda: rejected(decode, "aux_missing") == 1, 10, "the done notice without aux")
+        until(lambda: rejected(decode, "aux_missing") == 1, 10, "the done notice without aux")
         for _ in range(10):
             assert node_room(decode, room)["state"] == "TRANSFERRING"
 
@@ -68,30 +69,30 @@ def test_room_is_not_success_until_its_aux_arrives(stack, held, model):
         final = client.get(f"/rooms/{room}", params={"wait": 30}).json()
         assert final["state"] == "SUCCESS", final
         assert final["output_ids"] == generate(model, encode_text(prompt), 8)
-        wait_for(lambda: pools_full(prefill, decode), 10, "pools back to full")
+        until(lambda: pools_full(prefill, decode), 10, "pools back to full")
 
 
 def test_aux_held_past_the_aux_timeout_fails_the_room(stack, held):
     prefill, decode, proxy = held("--aux-timeout-s", "1")
     with stack.client() as client:
         room = client.post("/rooms", json={"prompt": "late aux", "max_new_tokens": 4}).json()["room"]
-        wait_for(lambda: proxy.held_rooms() == {room}, 20, "the done+aux message held")
+        until(lambda: proxy.held_rooms() == {room}, 20, "the done+aux message held")
         proxy.inject(proxy.held_for(room)[:2])  # the done notice arrives, its aux does not
         final = client.get(f"/rooms/{room}", params={"wait": 20}).json()
         assert (final["state"], final["reason"]) == ("FAILED", "aux_timeout")
         assert node_room(decode, room)["reason"] == "aux_timeout"
         # The aux that comes too late is refused: the room stays FAILED.
         proxy.release()
-        wait_for(lambda: rejected(decode, "finished") == 1, 10, "the late aux refused")
+        until(lambda: rejected(decode, "finished") == 1, 10, "the late aux refused")
         assert client.get(f"/rooms/{room}").json()["state"] == "FAILED"
-        wait_for(lambda: pools_full(prefill, decode), 10, "pools back to full")
+        until(lambda: pools_full(prefill, decode), 10, "pools back to full")
 
 
 def test_duplicated_aux_gives_one_success(stack, held, model):
     prefill, decode, proxy = held()
     with stack.client() as client:
         room = client.post("/rooms", json={"prompt": "twice", "max_new_tokens": 5}).json()["room"]
-        wait_for(lambda: proxy.held_rooms() == {room}, 20, "the done+aux message held")
+        until(lambda: proxy.held_rooms() == {room}, 20, "the done+aux message held")
         frames = proxy.held_for(room)
         proxy.inject(frames)
         proxy.inject(frames)
@@ -100,11 +101,9 @@ def test_duplicated_aux_gives_one_success(stack, held, model):
         assert final["state"] == "SUCCESS"
         assert final["output_ids"] == generate(model, encode_text("twice"), 5)
         # Refused as a duplicate while the room decodes, or as late once it finished.
-        wait_for(
-            lambda: rejected(decode, "duplicate") + rejected(decode, "finished") == 1, 10, "the duplicate"
-        )
+        until(lambda: rejected(decode, "duplicate") + rejected(decode, "finished") == 1, 10, "the duplicate")
         assert metric(decode, "kvroom_room_transitions_total", 'state="SUCCESS"') == 1
-        wait_for(lambda: pools_full(prefill, decode), 10, "pools back to full")
+        until(lambda: pools_full(prefill, decode), 10, "pools back to full")
 
 
 def test_aux_naming_another_room_fails_only_that_room(stack, held, model):
@@ -112,7 +111,7 @@ def test_aux_naming_another_room_fails_only_that_room(stack, held, model):
     with stack.client() as client:
         a = client.post("/rooms", json={"prompt": "room a", "max_new_tokens": 5}).json()["room"]
         b = client.post("/rooms", json={"prompt": "room b", "max_new_tokens": 5}).json()["room"]
-        wait_for(lambda: proxy.held_rooms() == {a, b}, 20, "both done+aux messages held")
+        until(lambda: proxy.held_rooms() == {a, b}, 20, "both done+aux messages held")
         frames = proxy.held_for(a)
         header, body, record = frames
         _, first, cached, logprob, _ = AUX_RECORD.unpack(record)
@@ -126,7 +125,7 @@ def test_aux_naming_another_room_fails_only_that_room(stack, held, model):
         final_b = client.get(f"/rooms/{b}", params={"wait": 20}).json()
         assert final_b["state"] == "SUCCESS"
         assert final_b["output_ids"] == generate(model, encode_text("room b"), 5)
-        wait_for(lambda: pools_full(prefill, decode), 10, "pools back to full")
+        until(lambda: pools_full(prefill, decode), 10, "pools back to full")
 
 
 @pytest.mark.parametrize(
@@ -156,5 +155,5 @@ def test_each_waiting_state_times_out_with_its_reason(stack, held, kinds, prefil
         assert metric(decode, "kvroom_room_failures_total", f'reason="{reason}"') == 1
         assert metric(stack.bootstrap, "kvroom_room_failures_total", f'reason="{reason}"') == 1
         proxy.release()  # whatever comes late changes nothing
-        wait_for(lambda: pools_full(prefill, decode), 10, "pools back to full")
+        until(lambda: pools_full(prefill, decode), 10, "pools back to full")
         assert client.get(f"/rooms/{room}").json()["state"] == "FAILED"

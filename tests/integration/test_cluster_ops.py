@@ -14,8 +14,9 @@ import pytest
 from shared import protocol
 from shared.model import encode_text, generate
 from tests.integration.conftest import FAST_BOOTSTRAP, FAST_NODE
-from tests.integration.helpers import metric, node_room, pools_full, wait_for
+from tests.integration.helpers import metric, node_room, pools_full
 from tests.integration.holding_proxy import in_front_of
+from tests.support import until, until_async
 
 
 def registrations(node) -> int:
@@ -57,7 +58,7 @@ def test_rooms_survive_a_bootstrap_killed_and_restarted(tmp_path, redis, model, 
             if outage != "brief":  # no bootstrap renewed the nodes' leases: Redis let them expire
                 store = redis_client.Redis.from_url(redis.url)
                 leases = ("kvroom:lease:prefill-0", "kvroom:lease:decode-0")
-                wait_for(lambda: not store.exists(*leases), 15, "the leases to expire")
+                until(lambda: not store.exists(*leases), 15, "the leases to expire")
                 store.close()
             stack.bootstrap.start()  # same ports, same key; what it knew is in Redis
             stack.bootstrap.wait_healthy(registered=False)
@@ -73,7 +74,7 @@ def test_rooms_survive_a_bootstrap_killed_and_restarted(tmp_path, redis, model, 
         assert registrations(prefill) == registrations(decode) == 1  # they never had to register again
         # Leases that ran out while no bootstrap answered are not taken for dead nodes.
         assert "marked dead" not in stack.bootstrap.log_path.read_text()
-        wait_for(lambda: pools_full(prefill, decode), 15, "pools full")
+        until(lambda: pools_full(prefill, decode), 15, "pools full")
 
 
 def test_two_bootstraps_share_one_redis(tmp_path, redis, model):
@@ -128,15 +129,15 @@ def test_a_bootstrap_without_redis_is_unhealthy_and_recovers(tmp_path, redis, mo
             ).json()
             assert kept["state"] == "SUCCESS"
             redis.stop()
-            wait_for(lambda: client.get("/health").status_code == 503, 10, "the bootstrap to say so")
+            until(lambda: client.get("/health").status_code == 503, 10, "the bootstrap to say so")
             assert "redis" in client.get("/health").json()["problem"]
             refused = client.post("/rooms", json={"prompt": "refused", "max_new_tokens": 4})
             assert refused.status_code == 503
             assert stack.bootstrap.running
             redis.start()  # the same data directory: what Redis kept is back
-            wait_for(lambda: client.get("/health").status_code == 200, 20, "the bootstrap to recover")
+            until(lambda: client.get("/health").status_code == 200, 20, "the bootstrap to recover")
             assert client.get(f"/rooms/{kept['room']}").json()["state"] == "SUCCESS"
-            wait_for(lambda: client.get("/health").json()["live_decode_nodes"] == 1, 10, "nodes back")
+            until(lambda: client.get("/health").json()["live_decode_nodes"] == 1, 10, "nodes back")
             after = client.post(
                 "/rooms", json={"prompt": "after", "max_new_tokens": 4}, params={"wait": 20}
             ).json()
@@ -160,20 +161,13 @@ def test_the_event_channel_back_after_redis_restarts_wakes_every_waiter(redis):
         store.on_change = changed.append  # type: ignore[method-assign]
         await store.start()
         try:
-
-            async def until(predicate, what: str) -> None:
-                deadline = asyncio.get_running_loop().time() + 20
-                while not predicate():
-                    assert asyncio.get_running_loop().time() < deadline, f"no {what}"
-                    await asyncio.sleep(0.02)
-
-            await until(lambda: resyncs, "the first subscription")
+            await until_async(lambda: resyncs, 20, "the first subscription")
             redis.stop()
             redis.start()
-            await until(lambda: len(resyncs) == 2, "the subscription after the restart")
+            await until_async(lambda: len(resyncs) == 2, 20, "the subscription after the restart")
             async with aioredis.from_url(redis.url) as other:  # another bootstrap changes room 7
                 await other.publish("kvroom:events", "7")
-            await until(lambda: changed == [7], "the event")
+            await until_async(lambda: changed == [7], 20, "the event")
         finally:
             await store.close()
 
@@ -219,7 +213,7 @@ def test_a_node_killed_in_a_two_by_two_cluster(fast_stack, model, role):
         # A room whose prefill died is placed again, and succeeds.
         assert all(f["state"] == "SUCCESS" and f["attempts"][0]["prefill"] == victim.name for f in replaced)
     survivors = [n for n in nodes.values() if n is not victim]
-    wait_for(lambda: pools_full(*survivors), 15, "the survivors' pools full")
+    until(lambda: pools_full(*survivors), 15, "the survivors' pools full")
 
 
 def test_rooms_go_where_there_is_room_and_wait_when_there_is_none(stack, model):
@@ -239,7 +233,7 @@ def test_rooms_go_where_there_is_room_and_wait_when_there_is_none(stack, model):
         with stack.client() as client:
             rooms = [client.post("/rooms", json=body).json() for _ in range(6)]  # 60 of the big one's 64
             assert {r["decode"]["node_id"] for r in rooms} == {"decode-big"}
-            wait_for(lambda: proxy.held_rooms() == {r["room"] for r in rooms}, 20, "the rooms to hold pages")
+            until(lambda: proxy.held_rooms() == {r["room"] for r in rooms}, 20, "the rooms to hold pages")
 
         async def queue() -> list[dict]:
             async with httpx.AsyncClient(base_url=stack.bootstrap.url, timeout=60) as c:
@@ -295,14 +289,14 @@ def test_nodes_end_the_rooms_a_restarted_bootstrap_forgot(stack):
         decode.wait_healthy()
         with stack.client() as client:
             room = client.post("/rooms", json={"prompt": "forgotten", "max_new_tokens": 4}).json()["room"]
-            wait_for(lambda: proxy.held_rooms() == {room}, 20, "the room in flight")
+            until(lambda: proxy.held_rooms() == {room}, 20, "the room in flight")
             stack.bootstrap.kill()
             stack.bootstrap.start()
             stack.bootstrap.wait_healthy(registered=False)
             assert client.get(f"/rooms/{room}").status_code == 404  # forgotten
             for node in (prefill, decode):
-                wait_for(lambda node=node: node_room(node, room)["state"] == "FAILED", 30, "the sweep")
+                until(lambda node=node: node_room(node, room)["state"] == "FAILED", 30, "the sweep")
                 assert node_room(node, room)["reason"] == "orphaned"
-            wait_for(lambda: pools_full(prefill, decode), 10, "pools full")
+            until(lambda: pools_full(prefill, decode), 10, "pools full")
             assert registrations(prefill) == registrations(decode) == 2  # they had to register again
         proxy.release()

@@ -14,7 +14,8 @@ import httpx
 
 from shared.model import encode_text, generate
 from tests.integration.conftest import FAST_NODE
-from tests.integration.helpers import pools_full, wait_for
+from tests.integration.helpers import pools_full
+from tests.support import until
 
 GRACE_S = 2.0
 TEARDOWN_S = 2.5  # stopping the HTTP server, the transfer thread and the engine
@@ -42,7 +43,7 @@ def start_nodes(stack):
 def check_exit(leaving, exited, signalled):
     """The node's process ended by itself, cleanly, within its grace period and a little teardown."""
     leaving.proc.wait(60)
-    wait_for(lambda: exited, 5, "the exit seen")
+    until(lambda: exited, 5, "the exit seen")
     print(f"the draining node exited {exited[0] - signalled:.1f}s after the signal")
     assert exited[0] - signalled <= GRACE_S + TEARDOWN_S, leaving.log_tail(40)
     assert leaving.proc.returncode == 0, leaving.log_tail(40)
@@ -81,7 +82,7 @@ def test_rooms_posted_while_a_decode_node_drains_all_succeed(fast_stack, model):
     print(f"{refused} rooms refused by the draining node and placed again")
     nodes = {n["node_id"] for n in httpx.get(f"{stack.bootstrap.url}/nodes").json()}
     assert nodes == {"prefill-0", "decode-a"}
-    wait_for(lambda: pools_full(prefill, staying), 10, "pools full")
+    until(lambda: pools_full(prefill, staying), 10, "pools full")
 
 
 def test_a_drain_ends_what_still_runs_at_its_grace_shutdown_and_exits(fast_stack, model):
@@ -99,7 +100,7 @@ def test_a_drain_ends_what_still_runs_at_its_grace_shutdown_and_exits(fast_stack
             assert final["output_ids"] == generate(model, encode_text(prompt), len(final["output_ids"]))
         else:
             assert node[1:] == ("FAILED", "shutdown") and node[0] == "decode-b", final
-    wait_for(lambda: pools_full(prefill, staying), 10, "pools full")
+    until(lambda: pools_full(prefill, staying), 10, "pools full")
 
 
 def test_a_model_decoding_in_its_thread_does_not_hold_the_exit(fast_stack, tmp_path):
@@ -115,7 +116,7 @@ def test_a_model_decoding_in_its_thread_does_not_hold_the_exit(fast_stack, tmp_p
     decode = next(s for s in stack.services if s.name == "decode-0")
     with stack.client() as client:
         room = client.post("/rooms", json={"prompt": "go on and on", "max_new_tokens": 4000}).json()["room"]
-        wait_for(lambda: client.get(f"/rooms/{room}").json()["state"] == "SUCCESS", 30, "decoding")
+        until(lambda: client.get(f"/rooms/{room}").json()["state"] == "SUCCESS", 30, "decoding")
         decode.proc.send_signal(signal.SIGTERM)
         signalled = time.monotonic()
         decode.proc.wait(60)

@@ -3,7 +3,8 @@
 import httpx
 
 from shared.model import encode_text, generate
-from tests.integration.helpers import metric, pools_full, wait_for
+from tests.integration.helpers import metric, pools_full
+from tests.support import until
 
 PROMPTS = [
     "a",  # one token
@@ -40,7 +41,7 @@ def test_sixteen_rooms_match_the_colocated_run_and_free_everything(stack, model)
             assert stamps["BOOTSTRAPPING"] <= stamps["WAITING_FOR_INPUT"] <= stamps["TRANSFERRING"]
             assert stamps["TRANSFERRING"] <= stamps["SUCCESS"]
             # The prefill's own report may trail the decode's by a moment.
-            wait_for(
+            until(
                 lambda room=body["room"]: (
                     client.get(f"/rooms/{room}").json()["node_states"]["prefill"]["state"] == "SUCCESS"
                 ),
@@ -49,7 +50,7 @@ def test_sixteen_rooms_match_the_colocated_run_and_free_everything(stack, model)
             )
         listed = client.get("/rooms", params={"state": "SUCCESS"}).json()
         assert {r["room"] for r in listed} == {b["room"] for b in created}
-    wait_for(lambda: pools_full(prefill, decode), 10, "pages and aux slots back in their pools")
+    until(lambda: pools_full(prefill, decode), 10, "pages and aux slots back in their pools")
     assert metric(decode, "kvroom_free_pages") == metric(decode, "kvroom_total_pages")
     assert metric(decode, "kvroom_free_aux_slots") == metric(decode, "kvroom_total_aux_slots")
     assert metric(decode, "kvroom_room_transitions_total", 'state="SUCCESS"') == 16

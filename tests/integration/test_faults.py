@@ -5,14 +5,15 @@ import httpx
 from shared import protocol
 from shared.model import encode_text, generate
 from tests.integration.conftest import FAST_NODE, NOTICES_AT_ONCE
-from tests.integration.helpers import metric, node_room, pools_full, wait_for
+from tests.integration.helpers import metric, node_room, pools_full
 from tests.integration.holding_proxy import in_front_of
+from tests.support import until
 
 
 def room_through_proxy(client, proxy, model, prompt: str, max_new_tokens: int) -> dict:
     """A new room whose held message is let through ends SUCCESS with the colocated run's tokens."""
     room = client.post("/rooms", json={"prompt": prompt, "max_new_tokens": max_new_tokens}).json()
-    wait_for(lambda: proxy.held_rooms() == {room["room"]}, 20, "the new room's held message")
+    until(lambda: proxy.held_rooms() == {room["room"]}, 20, "the new room's held message")
     proxy.release()
     final = client.get(f"/rooms/{room['room']}", params={"wait": 20}).json()
     assert final["state"] == "SUCCESS"
@@ -37,26 +38,24 @@ def test_prefill_killed_mid_transfer(fast_stack, model):
                 client.post("/rooms", json={"prompt": f"doomed {i}", "max_new_tokens": 4}).json()["room"]
                 for i in range(3)
             ]
-            wait_for(lambda: proxy.held_rooms() == set(rooms), 20, "three rooms mid-transfer")
-            wait_for(
-                lambda: all(node_room(decode, r)["state"] == "TRANSFERRING" for r in rooms), 10, "decode"
-            )
+            until(lambda: proxy.held_rooms() == set(rooms), 20, "three rooms mid-transfer")
+            until(lambda: all(node_room(decode, r)["state"] == "TRANSFERRING" for r in rooms), 10, "decode")
             prefill.kill()
             for room in rooms:
                 final = client.get(f"/rooms/{room}", params={"wait": 15}).json()
                 assert final["state"] == "FAILED", final
                 assert final["reason"] in ("peer_lost", "transfer_timeout")
-                wait_for(lambda room=room: node_room(decode, room)["state"] == "FAILED", 10, "decode")
+                until(lambda room=room: node_room(decode, room)["state"] == "FAILED", 10, "decode")
             # The KV that did land is never turned into a SUCCESS afterwards.
             proxy.release()
-            wait_for(
+            until(
                 lambda: metric(decode, "kvroom_messages_rejected_total", 'kind="finished"') == 3,
                 10,
                 "the late done+aux refused",
             )
             assert all(client.get(f"/rooms/{r}").json()["state"] == "FAILED" for r in rooms)
             assert decode.health()["status"] == "ok"
-            wait_for(lambda: pools_full(decode), 10, "decode pools back to their start")
+            until(lambda: pools_full(decode), 10, "decode pools back to their start")
             assert decode.health()["free_pages"] == start["free_pages"]
 
             # A new prefill registers and new rooms succeed.
@@ -81,8 +80,8 @@ def test_decode_killed_prefill_frees_and_the_rooms_move_to_another(fast_stack, m
             rooms = [
                 client.post("/rooms", json={"prompt": p, "max_new_tokens": 4}).json()["room"] for p in prompts
             ]
-            wait_for(lambda: proxy.held_rooms() == set(rooms), 20, "three requests held")
-            wait_for(
+            until(lambda: proxy.held_rooms() == set(rooms), 20, "three requests held")
+            until(
                 lambda: all(node_room(prefill, r)["state"] == "WAITING_FOR_INPUT" for r in rooms),
                 20,
                 "the prefill to hold the KV",
@@ -93,8 +92,8 @@ def test_decode_killed_prefill_frees_and_the_rooms_move_to_another(fast_stack, m
             doomed.kill()
             for room in rooms:
                 # The first attempt ends with the decode; the prefill frees what it held for it.
-                wait_for(lambda room=room: node_room(prefill, room)["reason"] == "peer_lost", 10, "prefill")
-                wait_for(
+                until(lambda room=room: node_room(prefill, room)["reason"] == "peer_lost", 10, "prefill")
+                until(
                     lambda room=room: len(client.get(f"/rooms/{room}").json()["attempts"]) == 2, 10, "again"
                 )
             # The dead decode's requests are refused when they come, nothing is written for them;
@@ -111,7 +110,7 @@ def test_decode_killed_prefill_frees_and_the_rooms_move_to_another(fast_stack, m
                     "peer_lost",
                 )
                 assert second["decode"] == "decode-b" and final["decode"]["node_id"] == "decode-b"
-            wait_for(
+            until(
                 lambda: metric(prefill, "kvroom_messages_rejected_total", 'kind="finished"') == 3,
                 10,
                 "the dead decode's requests refused",
@@ -120,7 +119,7 @@ def test_decode_killed_prefill_frees_and_the_rooms_move_to_another(fast_stack, m
             assert nodes == {"prefill-0": True, "decode-a": False, "decode-b": True}
             room = room_through_proxy(client, proxy, model, "next", 5)
             assert room["decode"]["node_id"] == "decode-b"
-            wait_for(lambda: pools_full(prefill, survivor), 10, "pools full")
+            until(lambda: pools_full(prefill, survivor), 10, "pools full")
 
 
 def test_bootstrap_restart_nodes_register_again(fast_stack, model):
@@ -139,11 +138,11 @@ def test_bootstrap_restart_nodes_register_again(fast_stack, model):
             "decode-0",
         }
 
-    wait_for(both_registered, 20, "nodes to register again")
+    until(both_registered, 20, "nodes to register again")
     with stack.client() as client:
         assert client.get(f"/rooms/{first}").status_code == 404
         room = client.post("/rooms", json={"prompt": "after", "max_new_tokens": 7}).json()["room"]
         final = client.get(f"/rooms/{room}", params={"wait": 20}).json()
         assert final["state"] == "SUCCESS"
         assert final["output_ids"] == generate(model, encode_text("after"), 7)
-    wait_for(lambda: pools_full(prefill, decode), 10, "pools full")
+    until(lambda: pools_full(prefill, decode), 10, "pools full")

@@ -15,7 +15,8 @@ from zmq.utils.monitor import recv_monitor_message
 from shared.model import encode_text, generate
 from shared.security import CurveKeys, Security
 from tests.integration.fuzz_frames import fuzz_frames
-from tests.integration.helpers import metric, pools_full, wait_for
+from tests.integration.helpers import metric, pools_full
+from tests.support import until
 
 FRAMES_PER_PORT = 10_000
 HANDSHAKE_FAILED = (
@@ -92,7 +93,7 @@ def test_strangers_and_fuzz_never_take_a_node_down(stack, model):
             t.join(120)
             assert not t.is_alive()
         for service in targets:
-            wait_for(
+            until(
                 lambda s=service: metric(s, "kvroom_messages_received_total") >= FRAMES_PER_PORT,
                 120,
                 f"{service.name} to read every frame",
@@ -105,5 +106,5 @@ def test_strangers_and_fuzz_never_take_a_node_down(stack, model):
             final = client.get(f"/rooms/{room}", params={"wait": 60}).json()
             assert final["state"] == "SUCCESS", final
             assert final["output_ids"] == generate(model, encode_text(prompt), 6)
-        wait_for(lambda: pools_full(prefill, decode), 10, "pools back to full")
+        until(lambda: pools_full(prefill, decode), 10, "pools back to full")
         assert client.get("/health").json()["status"] == "ok"

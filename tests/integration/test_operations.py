@@ -8,7 +8,7 @@ import pytest
 from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 
-from tests.integration.helpers import wait_for
+from tests.support import until
 
 
 @pytest.fixture
@@ -59,7 +59,7 @@ def test_status_page_client_and_json_logs(stack, browser, tmp_path):
     url = stack.bootstrap.url
     browser.get(url + "/")
     assert browser.title == "kvroom status"
-    wait_for(
+    until(
         lambda: (
             {(r[0], r[1], r[3]) for r in table_rows(browser, "nodes")}
             == {("prefill-0", "prefill", "alive"), ("decode-0", "decode", "alive")}
@@ -72,7 +72,7 @@ def test_status_page_client_and_json_logs(stack, browser, tmp_path):
     assert done.returncode == 0, done.stderr
     assert "SUCCESS" in done.stdout
     room = done.stdout.splitlines()[2].split()[0]
-    wait_for(
+    until(
         lambda: any(r[0] == room and r[1] == "SUCCESS" for r in table_rows(browser, "rooms")),
         20,
         "the room to appear SUCCESS on the page",

@@ -10,8 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from shared.tiny_model import write_tiny_model
-from tests.integration.helpers import wait_for
 from tests.integration.test_tensor_parallel import all_ranks_full
+from tests.support import until
 
 PROMPTS = [
     "a",
@@ -84,7 +84,7 @@ def test_sixteen_rooms_equal_generate(stack, checkpoints, arch):
     node = httpx.get(f"{stack.bootstrap.url}/nodes").json()[0]
     assert node["model"]["architecture"] in ("LlamaForCausalLM", "Qwen2ForCausalLM")
     assert (node["model"]["num_heads"], node["model"]["num_kv_heads"]) == (4, 2)
-    wait_for(lambda: all_ranks_full(prefill) and all_ranks_full(decode), 15, "pools full")
+    until(lambda: all_ranks_full(prefill) and all_ranks_full(decode), 15, "pools full")
 
 
 @pytest.mark.parametrize(("np_", "nd"), [(2, 1), (1, 2)])
@@ -102,7 +102,7 @@ def test_tensor_parallel_llama_equals_generate(stack, checkpoints, np_, nd):
         (r["kv_head_start"], r["kv_head_count"]) for r in (prefill if np_ > 1 else decode).health()["ranks"]
     ]
     assert heads == [(0, 1), (1, 1)]  # the two KV heads split over the two ranks
-    wait_for(lambda: all_ranks_full(prefill) and all_ranks_full(decode), 15, "pools full")
+    until(lambda: all_ranks_full(prefill) and all_ranks_full(decode), 15, "pools full")
 
 
 def test_the_openai_client_talks_to_it(stack, checkpoints):
@@ -164,6 +164,6 @@ def test_nodes_with_different_weights_refuse_to_pair(stack, tmp_path):
             return None
         return body if body["standing"] == "refused" else None
 
-    body = wait_for(refused, 60, "the decode node to be refused")
+    body = until(refused, 60, "the decode node to be refused")
     assert "409" in body["problem"] and "weights differs" in body["problem"]
     assert [n["node_id"] for n in httpx.get(f"{stack.bootstrap.url}/nodes").json()] == ["prefill-0"]

@@ -6,7 +6,8 @@ import random
 import httpx
 
 from shared.model import encode_text, generate
-from tests.integration.helpers import pools_full, wait_for
+from tests.integration.helpers import pools_full
+from tests.support import until
 
 ROOMS = 500
 IN_FLIGHT = 32
@@ -61,6 +62,6 @@ def test_soak_with_random_aborts(stack, model):
             assert body["state"] == "SUCCESS", body
             assert body["output_ids"] == expected[prompts[i]]
     assert aborted > 0
-    wait_for(lambda: pools_full(prefill, decode), 30, "every page and aux slot back")
+    until(lambda: pools_full(prefill, decode), 30, "every page and aux slot back")
     with stack.client() as client:
         assert client.get("/health").json()["rooms_in_flight"] == 0

@@ -11,8 +11,9 @@ import pytest
 from shared import protocol
 from shared.model import encode_text, generate
 from tests.integration.conftest import FAST_NODE, NOTICES_AT_ONCE
-from tests.integration.helpers import metric, node_room, wait_for
+from tests.integration.helpers import metric, node_room
 from tests.integration.holding_proxy import in_front_of
+from tests.support import until
 
 PROMPTS = [
     "a",
@@ -56,7 +57,7 @@ def test_tokens_equal_the_colocated_single_rank_run(stack, model, np_, nd):
         assert final["output_ids"] == generate(model, encode_text(prompt), 8)
     nodes = {n["node_id"]: n for n in httpx.get(f"{stack.bootstrap.url}/nodes").json()}
     assert nodes["decode-0"]["tp_size"] == nd and len(nodes["decode-0"]["ranks"]) == nd
-    wait_for(lambda: all_ranks_full(prefill) and all_ranks_full(decode), 15, "every rank's pools full")
+    until(lambda: all_ranks_full(prefill) and all_ranks_full(decode), 15, "every rank's pools full")
 
 
 @pytest.fixture
@@ -86,14 +87,14 @@ def test_one_ranks_aux_held_back_keeps_every_rank_from_success(stack, tp_decode,
     prefill, decode, proxy = tp_decode()
     with stack.client() as client:
         room = client.post("/rooms", json={"prompt": "the race", "max_new_tokens": 6}).json()["room"]
-        wait_for(lambda: proxy.held_rooms() == {room}, 20, "rank 1's done+aux held")
+        until(lambda: proxy.held_rooms() == {room}, 20, "rank 1's done+aux held")
         frames = proxy.held_for(room)
         # Rank 1 learns its KV is done, but its slot holds no record of this room.
         proxy.inject(frames[:2] if landing == "without its aux" else [frames[0], frames[1], bytes(24)])
-        wait_for(
+        until(
             lambda: any(p[0] == 0 and isinstance(p[1], protocol.KvDone) for p in proxy.passed), 10, "rank 0's"
         )
-        wait_for(lambda: node_room(prefill, room)["state"] == "SUCCESS", 10, "the prefill to finish")
+        until(lambda: node_room(prefill, room)["state"] == "SUCCESS", 10, "the prefill to finish")
         for _ in range(20):  # rank 0 is ready on its own; the agreed state is not SUCCESS
             assert node_room(decode, room)["state"] == "TRANSFERRING"
             assert client.get(f"/rooms/{room}").json()["state"] == "TRANSFERRING"
@@ -104,20 +105,20 @@ def test_one_ranks_aux_held_back_keeps_every_rank_from_success(stack, tp_decode,
         assert final["state"] == "SUCCESS" and final["output_ids"] == generate(
             model, encode_text("the race"), 6
         )
-    wait_for(lambda: all_ranks_full(decode), 10, "every rank's pools full")
+    until(lambda: all_ranks_full(decode), 10, "every rank's pools full")
 
 
 def test_an_aux_that_never_lands_fails_every_rank(stack, tp_decode):
     _, decode, proxy = tp_decode("--aux-timeout-s", "1")
     with stack.client() as client:
         room = client.post("/rooms", json={"prompt": "never lands", "max_new_tokens": 4}).json()["room"]
-        wait_for(lambda: proxy.held_rooms() == {room}, 20, "rank 1's done+aux held")
+        until(lambda: proxy.held_rooms() == {room}, 20, "rank 1's done+aux held")
         proxy.inject(proxy.held_for(room)[:2])
         proxy.drop(room)
         final = client.get(f"/rooms/{room}", params={"wait": 20}).json()
         assert (final["state"], final["reason"]) == ("FAILED", "aux_timeout")
         assert node_room(decode, room)["reason"] == "aux_timeout"
-    wait_for(lambda: all_ranks_full(decode), 10, "every rank's pools full")
+    until(lambda: all_ranks_full(decode), 10, "every rank's pools full")
 
 
 @pytest.mark.parametrize(
@@ -140,7 +141,7 @@ def test_a_killed_rank_breaks_its_node_and_rooms_move_on(fast_stack, model, role
                 client.post("/rooms", json={"prompt": f"doomed {i}", "max_new_tokens": 5}).json()["room"]
                 for i in range(3)
             ]
-            wait_for(lambda: proxy.held_rooms() == set(rooms), 20, "the rooms mid-flight")
+            until(lambda: proxy.held_rooms() == set(rooms), 20, "the rooms mid-flight")
             healthy = stack.node(role, f"{role}-one", FAST_NODE).start()
             healthy.wait_healthy()
             rank1 = next(r for r in broken.health()["ranks"] if r["rank"] == 1)
@@ -158,9 +159,9 @@ def test_a_killed_rank_breaks_its_node_and_rooms_move_on(fast_stack, model, role
             proxy.release()  # whatever comes late changes nothing
             # The surviving rank gave back every page it held.
             full = broken.health()["total_pages"]
-            wait_for(lambda: broken.health()["ranks"][0]["free_pages"] == full, 15, "rank 0's pages back")
+            until(lambda: broken.health()["ranks"][0]["free_pages"] == full, 15, "rank 0's pages back")
             # The node said so at once, not at its next heartbeat.
-            wait_for(
+            until(
                 lambda: (
                     not next(n for n in client.get("/nodes").json() if n["node_id"] == broken.name)["healthy"]
                 ),

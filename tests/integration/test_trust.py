@@ -12,8 +12,9 @@ from shared import protocol
 from shared.model import encode_text, generate
 from shared.security import CurveKeys, Security
 from tests.integration.conftest import FAST_NODE, NOTICES_AT_ONCE
-from tests.integration.helpers import metric, node_room, pools_full, wait_for
+from tests.integration.helpers import metric, node_room, pools_full
 from tests.integration.holding_proxy import in_front_of
+from tests.support import until
 
 HOOKED = "tests.integration.hooked_node"
 
@@ -63,7 +64,7 @@ def test_forged_reports_change_nothing(stack, held, model):
     boot = stack.bootstrap
     with stack.client() as client:
         room = client.post("/rooms", json={"prompt": "forge me", "max_new_tokens": 6}).json()["room"]
-        wait_for(lambda: proxy.held_rooms() == {room}, 20, "the done+aux held")
+        until(lambda: proxy.held_rooms() == {room}, 20, "the done+aux held")
         forged = protocol.encode(
             protocol.RoomReports(
                 "decode-0",
@@ -74,7 +75,7 @@ def test_forged_reports_change_nothing(stack, held, model):
         send(boot.zmq_port, forged, None, boot_key)  # no CURVE: never delivered
         send(boot.zmq_port, forged, CurveKeys.generate(), boot_key)  # a stranger's key
         send(boot.zmq_port, forged, prefill.keys, boot_key)  # a member, naming another node
-        wait_for(lambda: rejected(boot, "unauthorized") == 2, 10, "both forgeries refused")
+        until(lambda: rejected(boot, "unauthorized") == 2, 10, "both forgeries refused")
         for _ in range(5):
             body = client.get(f"/rooms/{room}").json()
             assert (body["state"], body["finished"], body["output_ids"]) == ("TRANSFERRING", False, None)
@@ -82,7 +83,7 @@ def test_forged_reports_change_nothing(stack, held, model):
         final = client.get(f"/rooms/{room}", params={"wait": 20}).json()
         assert final["state"] == "SUCCESS" and final["outcome"] == "completed"
         assert final["output_ids"] == generate(model, encode_text("forge me"), 6)
-    wait_for(lambda: pools_full(prefill, decode), 10, "pools full")
+    until(lambda: pools_full(prefill, decode), 10, "pools full")
 
 
 def test_a_decode_that_raises_is_failed_everywhere_and_counted(stack, model):
@@ -99,7 +100,7 @@ def test_a_decode_that_raises_is_failed_everywhere_and_counted(stack, model):
         ).json()
         assert (broken["state"], broken["reason"], broken["output_ids"]) == ("FAILED", "decode_failed", None)
         assert broken["transfer_state"] == "SUCCESS" and broken["outcome"] == "failed"
-        wait_for(lambda: node_room(decode, broken["room"])["outcome"] == "failed", 10, "the decode's view")
+        until(lambda: node_room(decode, broken["room"])["outcome"] == "failed", 10, "the decode's view")
         assert node_room(decode, broken["room"])["state"] == "FAILED"
         fine = client.post(
             "/rooms", json={"prompt": "y" * 14, "max_new_tokens": 5}, params={"wait": 20}
@@ -107,7 +108,7 @@ def test_a_decode_that_raises_is_failed_everywhere_and_counted(stack, model):
         assert fine["state"] == "SUCCESS" and fine["output_ids"] == generate(model, encode_text("y" * 14), 5)
     for service in (stack.bootstrap, decode):
         assert metric(service, "kvroom_room_failures_total", 'reason="decode_failed"') == 1, service.name
-    wait_for(lambda: pools_full(prefill, decode), 10, "pools full")
+    until(lambda: pools_full(prefill, decode), 10, "pools full")
 
 
 def test_a_late_write_lands_only_in_fenced_pages(stack, model, tmp_path):
@@ -134,14 +135,14 @@ def test_a_late_write_lands_only_in_fenced_pages(stack, model, tmp_path):
         # A long room takes the first free pages, which would be the lent ones were they free;
         # the held write moves for real while it decodes.
         long = client.post("/rooms", json={"prompt": "long", "max_new_tokens": 400}).json()["room"]
-        wait_for(lambda: node_room(decode, long)["state"] == "SUCCESS", 20, "the long room to decode")
+        until(lambda: node_room(decode, long)["state"] == "SUCCESS", 20, "the long room to decode")
         release.touch()
         final = client.get(f"/rooms/{long}", params={"wait": 30}).json()
         assert final["state"] == "SUCCESS" and final["output_ids"] == generate(
             model, encode_text("long"), 400
         )
         # The engine said the late write finished: only now are the lent pages free again.
-        wait_for(lambda: decode.health()["fenced_rooms"] == 0, 30, "the fence lifted after the write ended")
+        until(lambda: decode.health()["fenced_rooms"] == 0, 30, "the fence lifted after the write ended")
         assert "the write that gave up has ended" in prefill.log_path.read_text()
         prompts = [f"after the late write {i} " * (1 + i % 4) for i in range(50)]
 
@@ -153,7 +154,7 @@ def test_a_late_write_lands_only_in_fenced_pages(stack, model, tmp_path):
         for prompt, final in zip(prompts, asyncio.run(rooms()), strict=True):
             assert final["state"] == "SUCCESS", final
             assert final["output_ids"] == generate(model, encode_text(prompt), 6)
-        wait_for(lambda: pools_full(prefill, decode), 10, "pools full")
+        until(lambda: pools_full(prefill, decode), 10, "pools full")
 
 
 def flipped(frames: list[bytes], byte: int) -> list[bytes]:
@@ -169,7 +170,7 @@ def test_no_changed_aux_byte_ever_gives_success(stack, held, model):
             client.post("/rooms", json={"prompt": f"flip {i}", "max_new_tokens": 4}).json()["room"]
             for i in range(24)
         ]
-        wait_for(lambda: proxy.held_rooms() == set(rooms), 30, "every done+aux held")
+        until(lambda: proxy.held_rooms() == set(rooms), 30, "every done+aux held")
         for byte, room in enumerate(rooms):
             proxy.inject(flipped(proxy.held_for(room), byte))
             proxy.drop(room)  # the intact copy never comes
@@ -180,14 +181,14 @@ def test_no_changed_aux_byte_ever_gives_success(stack, held, model):
 
         # A changed copy that comes first does not win: the intact one decides.
         room = client.post("/rooms", json={"prompt": "tampered first", "max_new_tokens": 6}).json()["room"]
-        wait_for(lambda: proxy.held_rooms() == {room}, 20, "the done+aux held")
+        until(lambda: proxy.held_rooms() == {room}, 20, "the done+aux held")
         proxy.inject(flipped(proxy.held_for(room), 8))  # the first token
-        wait_for(lambda: rejected(decode, "aux_corrupt") == 25, 10, "the changed copy refused")
+        until(lambda: rejected(decode, "aux_corrupt") == 25, 10, "the changed copy refused")
         proxy.release()
         final = client.get(f"/rooms/{room}", params={"wait": 20}).json()
         assert final["state"] == "SUCCESS"
         assert final["output_ids"] == generate(model, encode_text("tampered first"), 6)
-    wait_for(lambda: pools_full(prefill, decode), 10, "pools full")
+    until(lambda: pools_full(prefill, decode), 10, "pools full")
 
 
 @pytest.mark.parametrize("page", ["0", "-1"])
@@ -206,7 +207,7 @@ def test_a_changed_kv_byte_is_kv_corrupt(stack, model, page):
         ).json()
         assert (final["state"], final["reason"], final["output_ids"]) == ("FAILED", "kv_corrupt", None)
     assert metric(decode, "kvroom_room_failures_total", 'reason="kv_corrupt"') == 1
-    wait_for(lambda: pools_full(prefill, decode), 10, "pools full")
+    until(lambda: pools_full(prefill, decode), 10, "pools full")
 
 
 def test_sigterm_drains_one_of_two_decode_nodes(fast_stack, model):
@@ -259,7 +260,7 @@ def test_sigterm_drains_one_of_two_decode_nodes(fast_stack, model):
     assert "told the bootstrap this node drains" in log
     nodes = {n["node_id"] for n in httpx.get(f"{stack.bootstrap.url}/nodes").json()}
     assert nodes == {"prefill-0", "decode-a"}  # it left once its rooms ended
-    wait_for(lambda: pools_full(prefill, staying), 10, "pools full")
+    until(lambda: pools_full(prefill, staying), 10, "pools full")
 
 
 def test_health_is_503_until_registered_and_a_refusal_backs_off(stack):
@@ -274,9 +275,9 @@ def test_health_is_503_until_registered_and_a_refusal_backs_off(stack):
             return None  # not listening yet
         return resp.json() if resp.status_code == 503 and resp.json()["standing"] == "refused" else None
 
-    body = wait_for(refused, 30, "the refused node to say so")
+    body = until(refused, 30, "the refused node to say so")
     assert body["status"] == "unavailable" and "401" in body["problem"] and not body["registered"]
-    wait_for(lambda: "trying again in 2.0s" in outsider.log_path.read_text(), 30, "the pause to grow")
+    until(lambda: "trying again in 2.0s" in outsider.log_path.read_text(), 30, "the pause to grow")
     log = outsider.log_path.read_text()
     assert log.count("registration refused") <= 4  # 0.5 s, 1 s, 2 s: not every half second
     assert httpx.get(f"{stack.bootstrap.url}/nodes").json() == []

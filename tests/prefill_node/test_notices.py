@@ -3,7 +3,6 @@ process, with the fake engine (no transfer is proven here)."""
 
 import asyncio
 import threading
-import time
 
 import pytest
 import uvloop
@@ -20,6 +19,7 @@ from shared.rank import Rank
 from shared.security import Security
 from shared.states import RoomState
 from tests.fakes import FakeEngine
+from tests.support import until_async
 
 ROOM = 41
 DECODE = protocol.PeerRank(0, "decode", "tcp://127.0.0.1:9", "", 0, 4)
@@ -97,13 +97,6 @@ def kinds(sent):
     return [type(m).__name__ for m in sent]
 
 
-async def until(condition, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.005)
-
-
 NOTICE_S = 0.5
 
 
@@ -111,7 +104,7 @@ def test_a_room_written_before_its_notices_are_due_sends_none():
     async def test(service, engine, sent):
         job = room_and_request(service)
         engine.gate.set()
-        await until(lambda: job.state is RoomState.SUCCESS)
+        await until_async(lambda: job.state is RoomState.SUCCESS)
         assert kinds(sent) == []
         service._notify(job, 0)  # the notices fall due after the room was written: none goes
         assert kinds(sent) == []
@@ -124,9 +117,9 @@ def test_a_slow_write_is_announced_once_its_notices_are_due():
         job = room_and_request(service)
         await asyncio.sleep(0.05)
         assert kinds(sent) == []  # not yet due
-        await until(lambda: kinds(sent) == ["TransferAccepted", "TransferStarted"])
+        await until_async(lambda: kinds(sent) == ["TransferAccepted", "TransferStarted"])
         engine.gate.set()
-        await until(lambda: job.state is RoomState.SUCCESS)
+        await until_async(lambda: job.state is RoomState.SUCCESS)
         assert kinds(sent) == ["TransferAccepted", "TransferStarted"]  # told once
         assert all(m.room == ROOM and m.rank == 0 for m in sent)
 
@@ -139,11 +132,11 @@ def test_a_request_that_waits_for_its_kv_is_accepted_then_started():
         service.source.inline = False  # the KV is computed in the model thread, held up here
         service.model.submit(held.wait, 10)
         job = room_and_request(service)
-        await until(lambda: kinds(sent) == ["TransferAccepted"])
+        await until_async(lambda: kinds(sent) == ["TransferAccepted"])
         held.set()
-        await until(lambda: kinds(sent) == ["TransferAccepted", "TransferStarted"])
+        await until_async(lambda: kinds(sent) == ["TransferAccepted", "TransferStarted"])
         engine.gate.set()
-        await until(lambda: job.state is RoomState.SUCCESS)
+        await until_async(lambda: job.state is RoomState.SUCCESS)
 
     run(test, progress_notice_s=0.1)
 
@@ -158,9 +151,9 @@ def test_notices_at_once(ready):
         job = room_and_request(service)
         assert kinds(sent) == (["TransferAccepted", "TransferStarted"] if ready else ["TransferAccepted"])
         held.set()
-        await until(lambda: kinds(sent) == ["TransferAccepted", "TransferStarted"])
+        await until_async(lambda: kinds(sent) == ["TransferAccepted", "TransferStarted"])
         engine.gate.set()
-        await until(lambda: job.state is RoomState.SUCCESS)
+        await until_async(lambda: job.state is RoomState.SUCCESS)
 
     run(test, progress_notice_s=0)
 
@@ -175,7 +168,7 @@ def test_a_batch_of_requests_is_taken_request_by_request():
         bad = protocol.TransferRequest(ROOM + 1, 0, 0, service.pool.base_ptr, 32, page_bytes + 1, pages, 1)
         service.handle_peer(protocol.TransferRequests([bad, good]), None, None)
         engine.gate.set()
-        await until(lambda: service.rooms.find(ROOM).state is RoomState.SUCCESS)
+        await until_async(lambda: service.rooms.find(ROOM).state is RoomState.SUCCESS)
         rejected = service.metrics.registry.get_sample_value(
             "kvroom_messages_rejected_total", {"kind": "invalid"}
         )

@@ -16,7 +16,7 @@ from shared.kv_layout import total_bytes
 from shared.security import Security
 from shared.transfer import MAX_IN_FLIGHT, TransferEngine, WriteJob, WriteUnresolved
 from shared.zmq_io import bind_pull
-from tests.integration.helpers import wait_for
+from tests.support import until
 
 PLAIN = Security(None)
 
@@ -95,7 +95,7 @@ def outcomes(finished: "queue.Queue[TransferOutcome]", count: int) -> list[Trans
 
 def first_write_out(engine: BatchingEngine) -> None:
     """Until the worker handed its first write to the engine: the next rooms queue behind it."""
-    wait_for(lambda: engine.batches, 10, "the worker to call the engine")
+    until(lambda: engine.batches, 10, "the worker to call the engine")
 
 
 def test_rooms_queued_behind_a_write_go_to_the_engine_together(worker, decode):

@@ -2,13 +2,13 @@
 at most one such message every REPORT_DELAY_S; a transfer's end soon; progress later."""
 
 import asyncio
-import time
 
 from prefill_node.settings import PrefillSettings
 from shared import membership, protocol
 from shared.membership import Membership
 from shared.room import Room
 from shared.states import RoomState
+from tests.support import until_async
 
 
 def reports_of(sent: list[list[bytes]]) -> list[list[tuple[int, int, str | None]]]:
@@ -35,13 +35,6 @@ def make(sent: list[list[bytes]]) -> Membership:
     return m
 
 
-async def until(condition, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.001)
-
-
 def finished(room_id: int) -> Room:
     room = Room(room_id)
     room.advance_to(RoomState.SUCCESS)
@@ -60,7 +53,7 @@ def test_a_lone_finished_room_leaves_at_the_end_of_the_turn_and_a_burst_waits():
         m.report(finished(2))  # right after a message: held until REPORT_DELAY_S has passed
         assert m._report_due >= m._flushed_at + membership.REPORT_DELAY_S
         m.report(finished(3))
-        await until(lambda: len(sent) == 2)
+        await until_async(lambda: len(sent) == 2)
         assert reports_of(sent)[1] == [(2, 4, "completed"), (3, 4, "completed")]
 
     asyncio.run(main())
@@ -80,7 +73,7 @@ def test_progress_waits_longer_than_an_end(monkeypatch):
         room.advance_to(RoomState.SUCCESS)  # the transfer ended; the room has not finished
         m.report(room)
         assert m._report_due >= m.loop.time() + membership.REPORT_DELAY_S * 0.5  # soon, not at once
-        await until(lambda: len(sent) == 1)
+        await until_async(lambda: len(sent) == 1)
         assert reports_of(sent) == [[(4, 4, None)]]
 
     asyncio.run(main())
