@@ -7,10 +7,10 @@ import pytest
 from shared import protocol
 from shared.aux_buffers import AUX_RECORD, Aux
 from shared.model import encode_text, generate
-from tests.integration.conftest import NOTICES_AT_ONCE
 from tests.integration.helpers import metric, node_room, pools_full
 from tests.integration.holding_proxy import in_front_of
 from tests.support import until
+from tests.support.stacks import NOTICES_AT_ONCE
 
 
 @pytest.fixture

@@ -13,10 +13,10 @@ import pytest
 
 from shared import protocol
 from shared.model import encode_text, generate
-from tests.integration.conftest import FAST_BOOTSTRAP, FAST_NODE
 from tests.integration.helpers import metric, node_room, pools_full
 from tests.integration.holding_proxy import in_front_of
 from tests.support import until, until_async
+from tests.support.stacks import FAST_BOOTSTRAP, FAST_NODE
 
 
 def registrations(node) -> int:

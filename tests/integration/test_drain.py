@@ -13,9 +13,9 @@ import time
 import httpx
 
 from shared.model import encode_text, generate
-from tests.integration.conftest import FAST_NODE
 from tests.integration.helpers import pools_full
 from tests.support import until
+from tests.support.stacks import FAST_NODE
 
 GRACE_S = 2.0
 TEARDOWN_S = 2.5  # stopping the HTTP server, the transfer thread and the engine

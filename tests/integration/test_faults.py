@@ -4,10 +4,10 @@ import httpx
 
 from shared import protocol
 from shared.model import encode_text, generate
-from tests.integration.conftest import FAST_NODE, NOTICES_AT_ONCE
 from tests.integration.helpers import metric, node_room, pools_full
 from tests.integration.holding_proxy import in_front_of
 from tests.support import until
+from tests.support.stacks import FAST_NODE, NOTICES_AT_ONCE
 
 
 def room_through_proxy(client, proxy, model, prompt: str, max_new_tokens: int) -> dict:

@@ -10,10 +10,10 @@ import pytest
 
 from shared import protocol
 from shared.model import encode_text, generate
-from tests.integration.conftest import FAST_NODE, NOTICES_AT_ONCE
 from tests.integration.helpers import metric, node_room
 from tests.integration.holding_proxy import in_front_of
 from tests.support import until
+from tests.support.stacks import FAST_NODE, NOTICES_AT_ONCE
 
 PROMPTS = [
     "a",

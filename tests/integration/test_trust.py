@@ -11,10 +11,10 @@ from launcher.local_stack import Service
 from shared import protocol
 from shared.model import encode_text, generate
 from shared.security import CurveKeys, Security
-from tests.integration.conftest import FAST_NODE, NOTICES_AT_ONCE
 from tests.integration.helpers import metric, node_room, pools_full
 from tests.integration.holding_proxy import in_front_of
 from tests.support import until
+from tests.support.stacks import FAST_NODE, NOTICES_AT_ONCE
 
 HOOKED = "tests.integration.hooked_node"
 

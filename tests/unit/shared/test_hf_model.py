@@ -22,7 +22,7 @@ from shared.kv_source import KVSource, make_source
 from shared.model_files import greedy_differences, model_dir, tokenizer_digest, weights_digest
 from shared.tiny_model import ARCHS, EOS_ID, write_tiny_model
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 TEXTS = [
     "The cat",  # cut to its first token below
     "Hello, world! How are you today?",

@@ -12,9 +12,9 @@ from bootstrap.store import StoreUnavailable
 from shared import protocol
 from shared.security import Security
 from shared.states import RoomState
-from tests.bootstrap.silent_node import join
-from tests.bootstrap.test_api import AUTH, make_client
 from tests.support import until
+from tests.unit.bootstrap.silent_node import join
+from tests.unit.bootstrap.test_api import AUTH, make_client
 
 
 def epoch(client) -> str:

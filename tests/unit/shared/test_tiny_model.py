@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from shared.tiny_model import ARCHS, write_tiny_model
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 FILES = [
     "config.json",
     "generation_config.json",

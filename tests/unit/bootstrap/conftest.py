@@ -3,7 +3,7 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from tests.bootstrap.silent_node import SilentNode
+from tests.unit.bootstrap.silent_node import SilentNode
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from decode_node.settings import DecodeSettings
 from launcher import readme
 from prefill_node.settings import PrefillSettings
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 
 

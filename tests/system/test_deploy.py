@@ -16,7 +16,7 @@ from decode_node.settings import DecodeSettings
 from prefill_node.settings import PrefillSettings
 from shared.settings import SHARED_JOIN_TOKEN
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "docker"
 SETTINGS: dict[str, type[BaseSettings]] = {
     "bootstrap": BootstrapSettings,

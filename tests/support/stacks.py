@@ -1,3 +1,5 @@
+"""Real stacks for the tests that need them: the services as processes on 127.0.0.1, and Redis."""
+
 import contextlib
 import socket
 import subprocess

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import not_a_server_error
 
 from launcher.local_stack import LocalStack, free_port
-from tests.bootstrap.test_api import registration
+from tests.unit.bootstrap.test_api import registration
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,8 @@ from shared.metrics import ServiceMetrics
 from shared.rank import Rank
 from shared.security import Security
 from shared.states import RoomState
-from tests.fakes import FakeEngine
 from tests.support import until_async
+from tests.support.fakes import FakeEngine
 
 ROOM = 41
 DECODE = protocol.PeerRank(0, "decode", "tcp://127.0.0.1:9", "", 0, 4)

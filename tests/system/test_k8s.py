@@ -22,7 +22,7 @@ from decode_node.settings import DecodeSettings
 from prefill_node.settings import PrefillSettings
 from shared.settings import SHARED_JOIN_TOKEN
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "docker" / "k8s"
 KUBERNETES = "1.30"
 NAMESPACE = "kvroom"

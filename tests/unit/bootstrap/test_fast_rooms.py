@@ -6,7 +6,7 @@ import json
 import pytest
 
 from bootstrap.fast_rooms import FastRooms
-from tests.bootstrap.test_api import CLIENT, make_client, two_nodes
+from tests.unit.bootstrap.test_api import CLIENT, make_client, two_nodes
 
 JSON = {**CLIENT, "Content-Type": "application/json"}
 

@@ -15,7 +15,7 @@ import pytest
 
 from shared.metrics import ServiceMetrics
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "docker" / "grafana" / "kvroom-dashboard.json"
 # Gauges registered outside ServiceMetrics: by role, and the source file that registers them.
 EXTRA_GAUGES = {

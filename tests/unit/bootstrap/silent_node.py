@@ -4,7 +4,7 @@ import zmq
 
 from shared import protocol
 from shared.security import CurveKeys, Security
-from tests.bootstrap.test_api import AUTH, registration
+from tests.unit.bootstrap.test_api import AUTH, registration
 
 
 class SilentNode:

@@ -5,8 +5,8 @@ from bootstrap import rooms
 from bootstrap.store import Attempt, RoomData
 from shared import protocol
 from shared.states import RoomState
-from tests.bootstrap.silent_node import join
-from tests.bootstrap.test_api import make_client
+from tests.unit.bootstrap.silent_node import join
+from tests.unit.bootstrap.test_api import make_client
 
 
 def test_a_room_past_its_deadline_ends_failed_and_both_nodes_are_told(silent_nodes):

@@ -18,8 +18,8 @@ from shared.metrics import ServiceMetrics
 from shared.rank import Rank
 from shared.security import CurveKeys, Security
 from shared.states import RoomState
-from tests.fakes import FakeEngine
 from tests.support import until_async
+from tests.support.fakes import FakeEngine
 
 PREFILL_KEY = CurveKeys.generate().public
 PREFILL = protocol.PeerRank(0, "prefill:1", "tcp://127.0.0.1:9", PREFILL_KEY, 0, 4)

@@ -16,7 +16,7 @@ from shared.transfer import (
     WriteUnresolved,
     engine_setup,
 )
-from tests.fakes import FakeEngine
+from tests.support.fakes import FakeEngine
 
 STALE = {"MC_FORCE_TCP": "0", "MC_INTRANODE_NVLINK": "0", "MC_FORCE_MNNVL": "1", "OTHER": "kept"}
 
