@@ -331,8 +331,7 @@ class Cluster:
 
     @staticmethod
     def _pages(node: Node, tokens: int, max_new_tokens: int) -> int:
-        page = KVLayout(1, 1, 1, node.reg.model.page_size).pages_for
-        return page(tokens + max_new_tokens - 1) if node.role == "decode" else page(tokens)
+        return KVLayout(1, 1, 1, node.reg.model.page_size).room_pages(node.role, tokens, max_new_tokens)
 
     async def _placed(
         self, room_id: int, tokens: int, max_new_tokens: int, exclude: set[str]

@@ -35,7 +35,6 @@ from shared.gate import Expected, Invalid, Landed, Pending, Ready, rank_verdict
 from shared.head_split import HeadRange, writers
 from shared.kv_source import Decoded
 from shared.metrics import ServiceMetrics
-from shared.model import pages_needed
 from shared.per_turn import PerTurn, chunks
 from shared.rank import NodeHooks, Rank, RankRoom, RankService
 from shared.room import Room
@@ -160,7 +159,7 @@ class DecodeService(RankService):
             self.set_local(job, RoomState.FAILED, FailureReason.AUX_INVALID)
             return
         try:
-            job.pages = self.pool.alloc(pages_needed(self.layout, msg.prompt_len, msg.max_new_tokens))
+            job.pages = self.pool.alloc(self.layout.room_pages("decode", msg.prompt_len, msg.max_new_tokens))
             for prefill_rank in job.writers:
                 job.slots[prefill_rank] = self.aux.alloc()
         except PoolExhausted as exc:

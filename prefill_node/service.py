@@ -136,7 +136,7 @@ class PrefillService(RankService):
                 mine = writers(self.node_heads, heads, peer.rank).get(self.rank.index)
                 if mine is not None:
                     job.targets[peer.rank] = mine
-            job.pages = self.pool.alloc(self.layout.pages_for(len(msg.input_ids)))
+            job.pages = self.pool.alloc(self.layout.room_pages("prefill", len(msg.input_ids), 0))
         except (PoolExhausted, ValueError) as exc:
             log.warning("room=%d %s", job.id, exc, extra={"room": job.id})
             self.set_local(

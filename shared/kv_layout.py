@@ -71,6 +71,11 @@ class KVLayout(msgspec.Struct, frozen=True):
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
 
+    def room_pages(self, role: str, prompt_len: int, max_new_tokens: int) -> int:
+        """Pages a node holds for a room: on a prefill node the prompt's; on a decode node the
+        prompt plus every token fed back. The bootstrap places rooms by this rule, nodes allocate by it."""
+        return self.pages_for(prompt_len + max_new_tokens - 1 if role == "decode" else prompt_len)
+
     def with_heads(self, count: int) -> "KVLayout":
         return msgspec.structs.replace(self, num_kv_heads=count)
 

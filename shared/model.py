@@ -231,17 +231,12 @@ class ReferenceModel:
         return out
 
 
-def pages_needed(layout: KVLayout, prompt_len: int, max_new_tokens: int) -> int:
-    """Pages a decode node holds for a room: the prompt plus every token fed back."""
-    return layout.pages_for(prompt_len + max_new_tokens - 1)
-
-
 def generate(
     model: ReferenceModel, input_ids: list[int], max_new_tokens: int, page_size: int = 16
 ) -> list[int]:
     """Prefill and decode in one process: the reference every disaggregated run must equal."""
     layout = model.kv_layout(page_size)
-    n = pages_needed(layout, len(input_ids), max_new_tokens)
+    n = layout.room_pages("decode", len(input_ids), max_new_tokens)
     pool = KVPool(layout, n, str(model.device))
     pages = pool.alloc(n)
     first, _ = model.prefill(pool, pages, input_ids)

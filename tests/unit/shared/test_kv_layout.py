@@ -95,3 +95,11 @@ def test_only_ranges_that_fill_their_page_on_both_sides_merge():
     contiguous, the destination is not, so one write per page; whole pages on both sides merge."""
     assert plan_writes(0, 200, [0, 1], 0, 300, [0, 1], 0, 100, 200) == [(0, 100, 200), (200, 400, 200)]
     assert plan_writes(0, 200, [3, 4], 50, 200, [1, 2], 0, 0, 200) == [(600, 250, 400)]
+
+
+def test_a_room_takes_its_prompts_pages_on_a_prefill_and_every_fed_back_token_on_a_decode():
+    layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, page_size=16)
+    assert layout.room_pages("prefill", 16, 100) == 1
+    assert layout.room_pages("decode", 16, 1) == 1  # the last token is never fed back
+    assert layout.room_pages("decode", 16, 2) == 2
+    assert layout.room_pages("prefill", 17, 0) == layout.room_pages("decode", 17, 1) == 2

@@ -19,7 +19,6 @@ from shared.model import (
     decode_text,
     encode_text,
     generate,
-    pages_needed,
 )
 
 PROMPTS = ["hello", "tensor parallel ranks must agree " * 3, "x", "KV heads are shared by query heads"]
@@ -67,7 +66,7 @@ def test_page_size_does_not_change_tokens(model, page_size):
 def prefilled(model, ids, max_new_tokens):
     """A pool holding the prompt's KV: (layout, pool, its pages, the first output token)."""
     layout = model.kv_layout(16)
-    n = pages_needed(layout, len(ids), max_new_tokens)
+    n = layout.room_pages("decode", len(ids), max_new_tokens)
     pool = KVPool(layout, n)
     pages = pool.alloc(n)
     first, _ = model.prefill(pool, pages, ids)
