@@ -45,9 +45,23 @@ async def run_rooms(url: str, prompts: list[str], tokens: int) -> list[dict]:
         )
 
 
-@pytest.mark.parametrize(("np_", "nd"), [(1, 1), (2, 1), (1, 2), (2, 2), (2, 4), (4, 2)])
-def test_tokens_equal_the_colocated_single_rank_run(stack, model, np_, nd):
-    prefill, decode = stack.start(["--tp-size", str(np_)], ["--tp-size", str(nd)])
+@pytest.mark.parametrize(
+    ("np_", "nd", "agreement"),
+    [
+        (1, 1, "ipc"),
+        (2, 1, "ipc"),
+        (1, 2, "ipc"),
+        (2, 2, "ipc"),
+        (2, 4, "ipc"),
+        (4, 2, "ipc"),
+        (2, 2, "gloo"),
+    ],
+)
+def test_tokens_equal_the_colocated_single_rank_run(stack, model, np_, nd, agreement):
+    """Every shape of ranks; the ranks agree over the leader's ipc sockets or a gloo all-reduce."""
+    prefill, decode = stack.start(
+        ["--tp-size", str(np_), "--agreement", agreement], ["--tp-size", str(nd), "--agreement", agreement]
+    )
     assert (prefill.health()["tp_size"], decode.health()["tp_size"]) == (np_, nd)
     sessions = {r["session_id"] for s in (prefill, decode) for r in s.health()["ranks"]}
     assert len(sessions) == np_ + nd  # an engine per rank
