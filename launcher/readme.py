@@ -1,5 +1,6 @@
-"""The README's generated blocks: every setting, from the settings classes; the benchmark's tables,
-from its latest run. ``python -m launcher.readme`` rewrites them; the tests check they are current.
+"""The documentation's generated blocks: every setting, from the settings classes (docs/settings.md);
+the benchmark's tables, from its latest run (docs/performance.md). ``python -m launcher.readme``
+rewrites them; the tests check they are current.
 
 A block sits between ``<!-- NAME:start -->`` and ``<!-- NAME:end -->``.
 """
@@ -12,7 +13,9 @@ from typing import Any
 from pydantic_settings import BaseSettings
 
 ROOT = Path(__file__).resolve().parent.parent
-README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+# Each block, and the page it lives in.
+PAGES = {"settings": DOCS / "settings.md", "benchmark": DOCS / "performance.md"}
 BENCH_REPORT = ROOT / "bench" / "results" / "results.md"
 
 
@@ -57,20 +60,25 @@ def blocks() -> dict[str, str]:
 
 
 def render(text: str, generated: dict[str, str]) -> str:
+    """``text`` with every block it holds of ``generated`` rewritten."""
     for name, body in generated.items():
         pattern = re.compile(rf"(<!-- {name}:start -->\n).*?(<!-- {name}:end -->)", re.S)
-        if not pattern.search(text):
-            raise ValueError(f"README has no {name} block")
         text = pattern.sub(lambda m: m.group(1) + body + "\n" + m.group(2), text)  # noqa: B023
     return text
 
 
 def main() -> int:
-    text = README.read_text()
-    new = render(text, blocks())
-    if new != text:
-        README.write_text(new)
-        print("README.md: generated blocks rewritten")
+    generated = blocks()
+    for name, page in PAGES.items():
+        if name not in generated:
+            continue
+        text = page.read_text()
+        if f"<!-- {name}:start -->" not in text:
+            raise ValueError(f"{page.name} has no {name} block")
+        new = render(text, {name: generated[name]})
+        if new != text:
+            page.write_text(new)
+            print(f"{page.relative_to(ROOT)}: generated block {name} rewritten")
     return 0
 
 

@@ -130,7 +130,7 @@ def test_gpu_variant_shows_every_gpu_and_each_node_picks_its_own():
 def test_compose_v2_is_stated_where_users_look():
     head = (DOCKER / "compose.yaml").read_text().splitlines()[0]
     assert "Docker Compose v2.24" in head
-    assert "Docker Compose v2.24" in (ROOT / "README.md").read_text()
+    assert "Docker Compose v2.24" in (ROOT / "docs" / "operating.md").read_text()
 
 
 def test_cpu_variant_drops_gpus():
