@@ -210,6 +210,8 @@ class RedisStore(Store):
             async with self._redis.pipeline(transaction=False) as pipe:
                 pipe.zadd(P + "rooms", {str(room.room): room.created})
                 pipe.zremrangebyrank(P + "rooms", 0, -self._history - 1)
+                # Apart from the history, which forgets old rooms whether they ended or not.
+                pipe.sadd(P + "in_flight", str(room.room))
                 await pipe.execute()
             return True
 
@@ -227,6 +229,7 @@ class RedisStore(Store):
             ttl = self._room_ttl_ms if room.done else None
             pipe.set(key, _rooms_encoder.encode(room), px=ttl)
             if room.done:
+                pipe.srem(P + "in_flight", str(room_id))
                 pipe.pexpire(P + f"tokens:{room_id}", self._room_ttl_ms)
                 for attempt in room.attempts:
                     pipe.pexpire(P + f"transfer:{attempt.transfer}", self._room_ttl_ms)
@@ -250,8 +253,7 @@ class RedisStore(Store):
         return [_room.decode(raw) for raw in raws if raw]
 
     async def in_flight(self) -> list[int]:
-        rooms = await self.recent(self._history)
-        return [r.room for r in rooms if not r.done]
+        return [int(r) for r in await self._call(self._redis.smembers, P + "in_flight")]
 
     async def add_tokens(self, room_id: int, offset: int, tokens: list[int]) -> bool:
         key = P + f"tokens:{room_id}"

@@ -129,7 +129,8 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     async def reserve(self, node_id: str, pages: int, capacity: int, room: int) -> bool:
-        """Take ``pages`` of the node's ``capacity`` for ``room``, atomically; False if they are not free."""
+        """Take ``pages`` of the node's ``capacity`` for ``room``, atomically; False if they are not free.
+        A room holds one reservation on a node: taking it again changes nothing."""
 
     @abc.abstractmethod
     async def release(self, node_id: str, pages: int, room: int) -> None: ...
@@ -152,7 +153,10 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     async def update_room(self, room_id: int, change: Change) -> RoomData | None:
-        """Apply ``change`` atomically (a finished room is kept for a while, then forgotten)."""
+        """Apply ``change`` atomically (a finished room is kept for a while, then forgotten).
+
+        ``change`` returns whether it changed the room; one that returns False must leave it as
+        it was: a store may hand it the stored room itself."""
 
     @abc.abstractmethod
     async def link_transfer(self, transfer: int, room_id: int) -> None:
@@ -209,6 +213,7 @@ class MemoryStore(Store):
         self._transfers: dict[int, int] = {}
         self._tokens: dict[int, list[int]] = {}
         self._bootstraps: dict[str, BootstrapInfo] = {}
+        self._bootstrap_leases: dict[str, float] = {}  # id -> when its announcement runs out
         self._epoch = secrets.token_hex(8)  # a restart is a new store: its first heartbeat says so
 
     async def put_node(self, node: NodeData, lease_s: float) -> None:
@@ -240,6 +245,8 @@ class MemoryStore(Store):
 
     async def reserve(self, node_id: str, pages: int, capacity: int, room: int) -> bool:
         load = self._loads.setdefault(node_id, Load())
+        if room in self._placed[node_id]:
+            return True
         if load.pages + pages > capacity:
             return False
         load.pages += pages
@@ -326,9 +333,11 @@ class MemoryStore(Store):
     async def announce(self, me: BootstrapInfo, lease_s: float) -> None:
         me.seen = time.time()
         self._bootstraps[me.id] = me
+        self._bootstrap_leases[me.id] = time.monotonic() + lease_s
 
     async def bootstraps(self) -> list[BootstrapInfo]:
-        return list(self._bootstraps.values())
+        now = time.monotonic()
+        return [b for b in self._bootstraps.values() if self._bootstrap_leases[b.id] > now]
 
     async def epoch(self, renew: bool = False) -> str:
         if renew:

@@ -1,8 +1,5 @@
 """The ``Store`` contract, held to both stores: every test runs on ``MemoryStore`` and on ``RedisStore``
 (a real redis-server), and checks what the interface's docstrings state, not how either keeps it.
-
-Where the two disagree on the contract, the test stays as the contract reads and the store that
-breaks it is marked ``xfail(strict=True)`` with the reason, so the disagreement stays in sight.
 """
 
 import asyncio
@@ -61,18 +58,6 @@ def contract(kind: str, request: pytest.FixtureRequest) -> Contract:
         asyncio.run(main())
 
     return run
-
-
-def only_memory_breaks(reason: str) -> pytest.MarkDecorator:
-    return pytest.mark.parametrize(
-        "kind", [pytest.param("memory", marks=pytest.mark.xfail(strict=True, reason=reason)), "redis"]
-    )
-
-
-def only_redis_breaks(reason: str) -> pytest.MarkDecorator:
-    return pytest.mark.parametrize(
-        "kind", ["memory", pytest.param("redis", marks=pytest.mark.xfail(strict=True, reason=reason))]
-    )
 
 
 async def eventually(check: Callable[[], Awaitable[object]], what: str, timeout: float = 5.0) -> None:
@@ -274,10 +259,6 @@ def test_concurrent_reservations_never_pass_the_capacity(contract: Contract) -> 
     contract(body)
 
 
-@only_memory_breaks(
-    "MemoryStore.reserve counts a room's second reservation on a node again (load 4 pages, 2 rooms; "
-    "rooms_on 1 room), and one release frees half: pages are held by no room"
-)
 def test_a_room_holds_one_reservation_on_a_node(contract: Contract) -> None:
     async def body(store: Store, heard: Heard) -> None:
         assert await store.reserve("decode-0", 2, 10, room=1)
@@ -358,24 +339,6 @@ def test_a_change_that_changed_nothing_is_not_heard(contract: Contract) -> None:
     contract(body)
 
 
-@only_memory_breaks(
-    "MemoryStore.update_room hands ``change`` the stored room itself: what a change returning False "
-    "did to it stays (RedisStore writes nothing)"
-)
-def test_a_change_returning_false_writes_nothing(contract: Contract) -> None:
-    async def body(store: Store, heard: Heard) -> None:
-        await store.create_room(a_room(1))
-
-        def second_thoughts(room: RoomData) -> bool:
-            room.outcome, room.reason = "aborted", "changed its mind"
-            return False
-
-        await store.update_room(1, second_thoughts)
-        assert await store.room(1) == a_room(1)
-
-    contract(body)
-
-
 def test_a_transfer_leads_to_its_room(contract: Contract) -> None:
     async def body(store: Store, heard: Heard) -> None:
         assert await store.room_of(101) is None
@@ -414,11 +377,6 @@ def test_in_flight_is_every_room_not_done(contract: Contract) -> None:
     contract(body)
 
 
-@only_redis_breaks(
-    "RedisStore.in_flight reads the history-trimmed ``rooms`` index: a room still in flight with "
-    "``history`` newer rooms after it is no longer listed (MemoryStore keeps it; the deadline sweep "
-    "reads in_flight)"
-)
 def test_in_flight_lists_a_room_however_many_came_after_it(contract: Contract) -> None:
     async def body(store: Store, heard: Heard) -> None:
         for room_id in (1, 2, 3, 4):
@@ -503,10 +461,6 @@ def test_announced_bootstraps_are_listed_once_each(contract: Contract) -> None:
     contract(body)
 
 
-@only_memory_breaks(
-    "MemoryStore.announce ignores lease_s: a bootstrap that stopped announcing is listed forever "
-    "(RedisStore lets it go when its lease runs out)"
-)
 def test_a_bootstrap_whose_lease_ran_out_is_not_listed(contract: Contract) -> None:
     async def body(store: Store, heard: Heard) -> None:
         await store.announce(BootstrapInfo("steady", "tcp://127.0.0.1:1", "key-s"), LONG_LEASE_S)
