@@ -62,7 +62,7 @@ class Sampling(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    model: str
+    model: Text
     stream: bool = False
     stream_options: Options | None = None
     stop: Stop = None

@@ -3,6 +3,7 @@ from pathlib import Path
 from pydantic import Field, SecretStr
 from pydantic_settings import SettingsConfigDict
 
+from shared import protocol
 from shared.security import read_secret
 from shared.settings import ServiceSettings
 
@@ -30,8 +31,12 @@ class BootstrapSettings(ServiceSettings):
         "(shared by bootstraps, survives restarts)",
     )
     node_ttl_s: float = Field(5.0, gt=0, description="a node silent this long is marked dead")
-    max_prompt_tokens: int = Field(4096, ge=1, description="longest prompt a room may carry, in tokens")
-    max_new_tokens: int = Field(1024, ge=1, description="most tokens a room may ask to generate")
+    max_prompt_tokens: int = Field(
+        4096, ge=1, le=protocol.MAX_TOKENS, description="longest prompt a room may carry, in tokens"
+    )
+    max_new_tokens: int = Field(
+        1024, ge=1, le=protocol.MAX_TOKENS, description="most tokens a room may ask to generate"
+    )
     max_body_bytes: int = Field(1 << 20, ge=1024, description="larger request bodies are refused unread")
     max_wait_s: float = Field(60.0, gt=0, description="longest ?wait= a client may ask for")
     request_timeout_s: float = Field(

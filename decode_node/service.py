@@ -302,7 +302,8 @@ class DecodeService(RankService):
             ours = None
         intact = ours == msg.digests
         if ours is not None and not intact:
-            bad = next(i for i, (a, b) in enumerate(zip(ours, msg.digests or [], strict=False)) if a != b)
+            pairs = enumerate(zip(ours, msg.digests or [], strict=False))
+            bad = next((i for i, (a, b) in pairs if a != b), min(len(ours), len(msg.digests or [])))
             log.error(
                 "room=%d page %d from prefill rank %d does not match its digest",
                 job.id,

@@ -87,8 +87,8 @@ class PrefillService(RankService):
         )
 
     def shutdown(self) -> None:
+        self.worker.close()  # first: its tasks may still start digests
         super().shutdown()
-        self.worker.close()
 
     def health(self) -> protocol.RankHealth:
         return protocol.RankHealth(

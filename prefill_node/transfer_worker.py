@@ -172,7 +172,12 @@ class TransferWorker:
                 continue
             # The source pages do not change while they are written: their digests are
             # computed while the writes are out, and taken once they ended.
-            live.append((outcome, task.digests.start() if task.digests is not None else None))
+            try:
+                live.append((outcome, task.digests.start() if task.digests is not None else None))
+            except Exception as exc:  # never let one room end the worker
+                log.exception("room=%d transfer worker failed", task.room, extra={"room": task.room})
+                outcome.error = repr(exc)
+                yield outcome
         if not live:
             return
         jobs = [WriteJob(o.task.peer.session_id, o.task.writes, self._write_timeout_s) for o, _ in live]

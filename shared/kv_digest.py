@@ -103,8 +103,11 @@ class Digester:
         self, pages: list[int], offset: int, length: int, kind: DigestKind | None = None
     ) -> "concurrent.futures.Future[list[int]]":
         kind = kind or self.kind
-        on_device = kind == "wsum" and self.pool.data.is_cuda  # a few kernels, whatever the size
-        if len(pages) * length <= INLINE_BYTES or on_device:
+        if self.pool.data.is_cuda:
+            # A few kernels, but reading their result waits for the device's stream, where the
+            # model's work may be queued: never on the caller's thread (an event loop).
+            return self._executor.submit(page_digests, self.pool, pages, offset, length, kind)
+        if len(pages) * length <= INLINE_BYTES:
             done: concurrent.futures.Future[list[int]] = concurrent.futures.Future()
             try:
                 done.set_result(page_digests(self.pool, pages, offset, length, kind))

@@ -93,6 +93,7 @@ class NodeLeader:
         rooms = self.service.rooms
         if self.draining and not isinstance(msg, protocol.AbortRoom) and rooms.find(msg.room) is None:
             log.info("room=%d refused: the node drains", msg.room, extra={"room": msg.room})
+            self.service.metrics.failures.labels(FailureReason.DRAINING).inc()
             self.report(rooms.ended_unseen(msg.room, FailureReason.DRAINING))
             return
         if self.links is not None:

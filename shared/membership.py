@@ -259,11 +259,11 @@ class Membership:
         """Send the next heartbeat at once: the node's health changed."""
         self._beat_now.set()
 
-    async def leave(self) -> None:
+    async def leave(self, timeout_s: float = 5.0) -> None:
         """Drain: tell the bootstrap to place nothing more here. Reports keep flowing."""
         self.standing, self.problem = Standing.DRAINING, "draining"
         try:
-            async with httpx.AsyncClient(base_url=self.settings.bootstrap_url, timeout=5.0) as client:
+            async with httpx.AsyncClient(base_url=self.settings.bootstrap_url, timeout=timeout_s) as client:
                 resp = await client.post(f"/nodes/{self.node_id}/drain", headers=self.auth)
             log.info("told the bootstrap this node drains: %s", resp.status_code)
         except httpx.HTTPError as exc:

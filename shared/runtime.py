@@ -52,6 +52,8 @@ log = logging.getLogger(__name__)
 
 ServiceFactory = Callable[[Rank, NodeHooks, agreement.Participant, ServiceMetrics], RankService]
 RANK_HEALTH_INTERVAL_S = 0.25
+# A draining node's calls to the bootstrap (it drains, it leaves) wait at most this long each.
+LEAVE_TIMEOUT_S = 1.0
 _PR_SET_PDEATHSIG = 1
 
 
@@ -275,10 +277,11 @@ async def _watch_children(leader: NodeLeader, children: list[multiprocessing.pro
 
 
 async def _drain(leader: NodeLeader, membership: Membership, settings: NodeSettings) -> None:
-    """Place nothing more here, let rooms in flight end within the grace period, fail the rest."""
-    leader.draining = True
-    await membership.leave()
+    """Place nothing more here, let rooms in flight end within the grace period, fail the rest.
+    The bootstrap is told with short timeouts: a slow one does not stretch the grace."""
     deadline = time.monotonic() + settings.drain_grace_s
+    leader.draining = True
+    await membership.leave(timeout_s=LEAVE_TIMEOUT_S)
     while leader.rooms_in_flight() and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     left = list(leader.service.rooms.live)
@@ -292,7 +295,7 @@ async def _drain(leader: NodeLeader, membership: Membership, settings: NodeSetti
     membership.flush()
     await asyncio.sleep(0.05)  # ZMQ sends are queued: let them leave before the sockets close
     with contextlib.suppress(httpx.HTTPError):
-        async with httpx.AsyncClient(base_url=settings.bootstrap_url, timeout=5.0) as client:
+        async with httpx.AsyncClient(base_url=settings.bootstrap_url, timeout=LEAVE_TIMEOUT_S) as client:
             await client.delete(f"/nodes/{leader.node_id}", headers=membership.auth)
 
 

@@ -37,6 +37,8 @@ CASES = [
     ("/rooms", '{"prompt": "hi"', 422, None),
     ("/rooms", TOO_LARGE, 413, None),
     (COMPLETIONS, '{"model": "reference", "prompt": "\\ud800"}', 400, "prompt"),
+    (COMPLETIONS, '{"model": "\\ud800", "prompt": "hi"}', 400, "model"),
+    (CHAT, '{"model": "\\ud800", "messages": [{"role": "user", "content": "hi"}]}', 400, "model"),
     (COMPLETIONS, DEEP, 400, None),
     (COMPLETIONS, '{"model": "reference", "prompt": ' + DEEP + "}", 400, None),
     (COMPLETIONS, completion(prompt=""), 400, "prompt"),
@@ -81,6 +83,12 @@ def test_bad_input_is_refused_at_once_and_loses_nothing(stack, model):
                 assert "detail" in answer, (what, answer)
                 if param is not None:
                     assert param in json.dumps(answer["detail"]), (what, answer)
+        for path in ("/rooms", COMPLETIONS):  # a body over the limit with no length declared
+            resp = client.post(
+                path, content=iter([TOO_LARGE.encode()]), headers={"content-type": "application/json"}
+            )
+            assert resp.status_code == 413, (path, resp.text[:200])
+            assert ("error" in resp.json()) == path.startswith("/v1/")
         assert client.get("/rooms").json() == []  # no room was placed for any of them
         good = client.post(COMPLETIONS, json={"model": "reference", "prompt": "still here", "max_tokens": 4})
         assert good.status_code == 200, good.text

@@ -80,6 +80,7 @@ def test_rooms_posted_while_a_decode_node_drains_all_succeed(fast_stack, model):
             assert final["decode"]["node_id"] == "decode-a", final
             refused += 1
     print(f"{refused} rooms refused by the draining node and placed again")
+    assert refused  # rooms kept coming while the bootstrap had not yet heard the node drains
     nodes = {n["node_id"] for n in httpx.get(f"{stack.bootstrap.url}/nodes").json()}
     assert nodes == {"prefill-0", "decode-a"}
     until(lambda: pools_full(prefill, staying), 10, "pools full")
