@@ -29,6 +29,9 @@ from typing import Any
 
 import msgspec
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, WatchError
 
 from bootstrap.store import BootstrapInfo, Change, Load, NodeData, RoomData, Store, StoreUnavailable
@@ -62,7 +65,15 @@ class RedisStore(Store):
         self._url = url
         self._history = history
         self._room_ttl_ms = int(room_ttl_s * 1000)
-        self._redis: aioredis.Redis = aioredis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        # A pooled connection that Redis closed while it was away is found dead on its next use:
+        # that command is tried once more, on the connection made again.
+        self._redis: aioredis.Redis = aioredis.from_url(
+            url,
+            socket_timeout=2.0,
+            socket_connect_timeout=2.0,
+            retry=Retry(NoBackoff(), 1),
+            retry_on_error=[RedisConnectionError],
+        )
         self._reserve = self._redis.register_script(_RESERVE)
         self._release = self._redis.register_script(_RELEASE)
         self._listener: asyncio.Task[None] | None = None

@@ -484,3 +484,22 @@ def test_the_epoch_holds_until_renewed(contract: Contract) -> None:
         assert await store.epoch(renew=True) not in (first, renewed)
 
     contract(body)
+
+
+def test_a_redis_restarted_under_the_store_is_used_again_at_once(redis):
+    """Connections pooled before Redis restarted are dead, found so only when used: every command
+    after the restart still succeeds (what the bootstrap reads right after its health says so)."""
+
+    async def main() -> None:
+        store = open_store(redis.url, 100, 60)
+        await store.start()
+        try:
+            await asyncio.gather(*(store.create_room(a_room(i)) for i in range(1, 9)))  # several connections
+            redis.stop()
+            redis.start()  # the same data directory: the rooms are back
+            rooms = await asyncio.gather(*(store.room(i) for i in range(1, 9)))
+            assert [r.room for r in rooms if r is not None] == list(range(1, 9))
+        finally:
+            await store.close()
+
+    asyncio.run(main())
