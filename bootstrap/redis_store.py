@@ -74,6 +74,9 @@ class RedisStore(Store):
             retry=Retry(NoBackoff(), 1),
             retry_on_error=[RedisConnectionError],
         )
+        # The event channel's own client, without that retry: a lost subscription must be seen, since
+        # what changed while it was down was heard by no one (on_resync).
+        self._events: aioredis.Redis = aioredis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
         self._reserve = self._redis.register_script(_RESERVE)
         self._release = self._redis.register_script(_RELEASE)
         self._listener: asyncio.Task[None] | None = None
@@ -94,7 +97,7 @@ class RedisStore(Store):
         """Hear of every room any bootstrap changed; reconnect when Redis comes back."""
         while True:
             try:
-                pubsub = self._redis.pubsub()
+                pubsub = self._events.pubsub()
                 await pubsub.subscribe(P + "events")
                 self.on_resync()  # what changed before the subscription was heard by no one
                 async for message in pubsub.listen():
@@ -109,8 +112,9 @@ class RedisStore(Store):
             self._listener.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._listener
-        with contextlib.suppress(RedisError, OSError):
-            await self._redis.aclose()
+        for client in (self._redis, self._events):
+            with contextlib.suppress(RedisError, OSError):
+                await client.aclose()
 
     # -- nodes ------------------------------------------------------------------------
 
