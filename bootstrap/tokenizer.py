@@ -66,8 +66,9 @@ class HFTokenizer:
         self._backend = Backend.from_file(str(path / "tokenizer.json"))
         config_path = path / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.exists() else {}
-        self.vocab_size = _vocab_size(path, self._backend.get_vocab_size())
-        self.max_positions = _config(path).get("max_position_embeddings")
+        model_config = _config(path)
+        self.vocab_size = int(model_config.get("vocab_size", self._backend.get_vocab_size()))
+        self.max_positions = model_config.get("max_position_embeddings")
         self._specials = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token")}
         template = config.get("chat_template")
         self.has_chat_template = isinstance(template, str)
@@ -98,10 +99,6 @@ def _token_text(value: Any) -> str:
 def _config(path: Path) -> dict[str, Any]:
     config = path / "config.json"
     return dict(json.loads(config.read_text())) if config.exists() else {}
-
-
-def _vocab_size(path: Path, fallback: int) -> int:
-    return int(_config(path).get("vocab_size", fallback))
 
 
 def _compile(template: str) -> Any:
