@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 bash setup.sh cpu
-exec .venv/bin/python -m bootstrap.demo "$@"
+exec .venv/bin/python -m launcher.demo "$@"

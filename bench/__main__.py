@@ -30,7 +30,7 @@ from bench.zmq_pair import ZmqPair
 from bootstrap.settings import BootstrapSettings
 from launcher.local_stack import LocalStack, Service
 from shared.heap import freeze_startup_heap
-from shared.kv_layout import KVLayout
+from shared.kv.layout import KVLayout
 
 KIB, MIB = 1 << 10, 1 << 20
 # The KV layout of an 8B-class model: 32 layers, 8 KV heads of 128, bfloat16, one token a page
@@ -347,7 +347,7 @@ class Bench:
     def model(self, levels: list[tuple[int, int]], max_tokens: int) -> list[dict[str, Any]]:
         """A tiny Llama through /v1/completions with ``stream``: time to the first token,
         ``(concurrency, requests)`` per level."""
-        from shared.tiny_model import write_tiny_model
+        from launcher.tiny_model import write_tiny_model
 
         path = str(write_tiny_model("llama", self.workdir / "tiny-llama"))
         args = ["--model", path, "--log-level", "WARNING"]

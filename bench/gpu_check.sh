@@ -27,7 +27,7 @@
 #      in the same writes between the same kinds of buffers, in turn (A B B A): GB/s of both
 #      and the median of each stage of a room, as `python -m bench` prints them; each of
 #      these rooms must have its done+aux taken after its writes completed;
-#   3. a tiny random Llama (shared/tiny_model.py) on the same devices (bfloat16 on CUDA):
+#   3. a tiny random Llama (launcher/tiny_model.py) on the same devices (bfloat16 on CUDA):
 #      every room SUCCESS and its tokens equal to generate(do_sample=False) on the same device.
 # One SUMMARY line per run, one SIZE line per room size, one RESULT line at the end.
 #
@@ -254,7 +254,7 @@ def quiet(log: Path) -> None:
 def raw_receiver(nbytes: int, device: str, transport: str, rdma: str, log: Path, conn: Connection) -> None:
     quiet(log)
     try:
-        from shared.transfer import MooncakeEngine
+        from shared.kv.transfer import MooncakeEngine
 
         buf = buffer(nbytes, device, 0)
         engine = MooncakeEngine("127.0.0.1", transport, rdma)
@@ -276,7 +276,7 @@ def raw_sender(
 ) -> None:
     quiet(log)
     try:
-        from shared.transfer import MooncakeEngine
+        from shared.kv.transfer import MooncakeEngine
 
         session, dst = peer
         buf = buffer(nbytes, device, 1)
@@ -535,7 +535,7 @@ def model_check(args: argparse.Namespace, run: Run, log: list[str]) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from launcher.local_stack import LocalStack
-    from shared.tiny_model import write_tiny_model
+    from launcher.tiny_model import write_tiny_model
 
     os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"  # the check's output stays one line a fact
     dtype = "bfloat16" if run.device == "cuda" else "float32"

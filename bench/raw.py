@@ -7,7 +7,7 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from shared.transfer import MooncakeEngine
+from shared.kv.transfer import MooncakeEngine
 
 
 def _receiver(nbytes: int, conn: Connection) -> None:

@@ -10,7 +10,7 @@ from bootstrap.app import create_app
 from bootstrap.settings import BootstrapSettings
 from shared.cli import parse_settings
 from shared.logs import configure_logging
-from shared.security import write_keys
+from shared.wire.security import write_keys
 
 
 def keys(argv: list[str]) -> int:

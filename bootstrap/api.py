@@ -18,8 +18,8 @@ from bootstrap.registry import Incompatible, Node
 from bootstrap.store import RoomData, StoreUnavailable
 from bootstrap.validation import PromptText, check_room, encode
 from shared.metrics import CONTENT_TYPE_LATEST
-from shared.registration import Heartbeat, NodeRegistration
-from shared.security import bearer, secrets_match
+from shared.wire.registration import Heartbeat, NodeRegistration
+from shared.wire.security import bearer, secrets_match
 
 
 async def get_cluster(request: Request) -> Cluster:

@@ -30,14 +30,14 @@ from bootstrap.registry import Incompatible, Node, Registrations, check
 from bootstrap.settings import BootstrapSettings
 from bootstrap.store import Attempt, BootstrapInfo, NodeData, RoomData, StoreUnavailable, open_store
 from bootstrap.tokenizer import load_tokenizer
-from shared import protocol
 from shared.errors import RejectedMessage
-from shared.kv_layout import KVLayout
+from shared.kv.layout import KVLayout
 from shared.metrics import ServiceMetrics
-from shared.registration import Bootstrap, Heartbeat, NodeRegistration, Registered
-from shared.security import Security, ZapHandler, security_for
-from shared.states import FailureReason, RoomState
-from shared.zmq_io import PushSockets, bind_pull, dispatcher, receive_forever
+from shared.room.states import FailureReason, RoomState
+from shared.wire import protocol
+from shared.wire.registration import Bootstrap, Heartbeat, NodeRegistration, Registered
+from shared.wire.security import Security, ZapHandler, security_for
+from shared.wire.zmq_io import PushSockets, bind_pull, dispatcher, receive_forever
 
 log = logging.getLogger(__name__)
 # Between two looks for dead nodes and rooms past their deadline.

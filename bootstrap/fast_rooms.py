@@ -22,7 +22,7 @@ from bootstrap import api
 from bootstrap.cluster import Cluster
 from bootstrap.store import StoreUnavailable
 from bootstrap.validation import Refused
-from shared.security import bearer, secrets_match
+from shared.wire.security import bearer, secrets_match
 
 PLAIN_NUMBER = re.compile(r"[0-9]{1,6}(\.[0-9]{1,6})?")  # what ?wait= is in practice; else FastAPI parses it
 

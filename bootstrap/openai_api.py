@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from bootstrap.api import ClusterDep, api_key_checked, place
 from bootstrap.store import RoomData
 from bootstrap.validation import PromptText, Refused, Stop, Text, check_room, encode
-from shared.states import RoomState
+from shared.room.states import RoomState
 
 router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Depends(api_key_checked)])
 

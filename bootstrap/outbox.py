@@ -1,12 +1,12 @@
 """What the bootstrap tells the nodes' leaders: the rooms it places on a node and its aborts for
-it, gathered over one turn of its event loop (``shared.per_turn``) into ``protocol.Assignments``.
+it, gathered over one turn of its event loop (``shared.wire.per_turn``) into ``protocol.Assignments``.
 """
 
 from collections.abc import Callable
 
-from shared import protocol
-from shared.per_turn import PerTurn, chunks
-from shared.zmq_io import PushSockets
+from shared.wire import protocol
+from shared.wire.per_turn import PerTurn, chunks
+from shared.wire.zmq_io import PushSockets
 
 # Prompts are most of a message's bytes: this many tokens stay far below a receiver's body limit.
 MAX_TOKENS_PER_MESSAGE = 100_000

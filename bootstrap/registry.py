@@ -6,8 +6,8 @@ import time
 import msgspec
 
 from bootstrap.store import Load, NodeData
-from shared.head_split import mapping_problem
-from shared.registration import Heartbeat, NodeRegistration
+from shared.kv.head_split import mapping_problem
+from shared.wire.registration import Heartbeat, NodeRegistration
 
 log = logging.getLogger(__name__)
 _heartbeat = msgspec.json.Decoder()

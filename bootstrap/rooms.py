@@ -13,8 +13,8 @@ from collections.abc import Callable
 from typing import Any
 
 from bootstrap.store import Attempt, RoomData
-from shared import protocol
-from shared.states import FailureReason, RoomState, check_transition, forward_path
+from shared.room.states import FailureReason, RoomState, check_transition, forward_path
+from shared.wire import protocol
 
 log = logging.getLogger(__name__)
 

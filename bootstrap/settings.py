@@ -3,9 +3,9 @@ from pathlib import Path
 from pydantic import Field, SecretStr
 from pydantic_settings import SettingsConfigDict
 
-from shared import protocol
-from shared.security import read_secret
 from shared.settings import ServiceSettings
+from shared.wire import protocol
+from shared.wire.security import read_secret
 
 
 class BootstrapSettings(ServiceSettings):

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any, Protocol
 
-from shared.model_files import model_dir, model_name, tokenizer_digest
+from shared.models.files import model_dir, model_name, tokenizer_digest
 
 
 class TokenizerError(ValueError):
@@ -36,7 +36,7 @@ class ByteTokenizer:
 
     digest = "bytes"
     vocab_size = 256
-    # The reference model's context (shared.model.ModelConfig); synthetic KV has none.
+    # The reference model's context (shared.models.reference.ModelConfig); synthetic KV has none.
     REFERENCE_POSITIONS = 8192
     has_chat_template = False
 

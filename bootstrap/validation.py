@@ -1,6 +1,6 @@
 """What a client's request must be before a room is placed for it: one set of rules for /rooms and /v1.
 
-Every limit a room's assignment holds on the wire (``shared.protocol``) is
+Every limit a room's assignment holds on the wire (``shared.wire.protocol``) is
 checked here first. A request the bootstrap accepted but a node could not
 decode would be dropped on the way, and its room would fail as if a node were
 lost; a request refused here is the client's to fix, and no node hears of it.
@@ -11,7 +11,7 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, Field, StringConstraints
 
-from shared import protocol
+from shared.wire import protocol
 
 # OpenAI's own limit on stop strings; the wire holds up to protocol.MAX_STOP.
 MAX_STOP_STRINGS = 4

@@ -3,7 +3,7 @@
 from decode_node.service import DecodeService
 from decode_node.settings import DecodeSettings
 from shared.cli import parse_settings
-from shared.runtime import run_node
+from shared.node.runtime import run_node
 
 
 def main() -> None:

@@ -3,10 +3,10 @@
 Per room, on this rank: BOOTSTRAPPING until every prefill rank that writes into
 it accepted the transfer request, WAITING_FOR_INPUT until one reports its writes
 began, TRANSFERRING until every one of them sent done+aux and the gate
-(``shared.gate.rank_verdict``) calls the records that landed in this rank's
+(``shared.room.gate.rank_verdict``) calls the records that landed in this rank's
 slots intact, this room's, and in agreement: then the rank is ready. The room
 becomes SUCCESS only when every rank of the node is ready with the same record
-(``shared.agreement``); then every rank decodes, in the order they agreed.
+(``shared.node.agreement``); then every rank decodes, in the order they agreed.
 Each waiting state has its own timeout and failure reason. A prefill rank whose
 done+aux goes out soon after the request sends no accept or start notice: the
 room passes through those states when its done+aux arrives.
@@ -27,18 +27,18 @@ from collections.abc import Callable
 from typing import Any
 
 from decode_node.settings import DecodeSettings
-from shared import protocol
-from shared.agreement import Participant
-from shared.aux_buffers import AUX_RECORD, AuxBuffers, record_digest
 from shared.errors import PoolExhausted, RejectedMessage
-from shared.gate import Expected, Invalid, Landed, Pending, Ready, rank_verdict
-from shared.head_split import HeadRange, writers
-from shared.kv_source import Decoded
+from shared.kv.aux_buffers import AUX_RECORD, AuxBuffers, record_digest
+from shared.kv.head_split import HeadRange, writers
 from shared.metrics import ServiceMetrics
-from shared.per_turn import PerTurn, chunks
-from shared.rank import NodeHooks, Rank, RankRoom, RankService
-from shared.room import Room
-from shared.states import FailureReason, RoomState
+from shared.models.source import Decoded
+from shared.node.agreement import Participant
+from shared.node.rank import NodeHooks, Rank, RankRoom, RankService
+from shared.room.gate import Expected, Invalid, Landed, Pending, Ready, rank_verdict
+from shared.room.record import Room
+from shared.room.states import FailureReason, RoomState
+from shared.wire import protocol
+from shared.wire.per_turn import PerTurn, chunks
 
 log = logging.getLogger(__name__)
 
@@ -265,7 +265,7 @@ class DecodeService(RankService):
 
     @staticmethod
     def _needs_aux(landed: Landed) -> bool:
-        from shared.aux_buffers import unpack
+        from shared.kv.aux_buffers import unpack
 
         return landed.record is None or unpack(landed.record) is None
 

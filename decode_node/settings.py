@@ -1,7 +1,7 @@
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from shared.settings import NodeSettings
+from shared.node.settings import NodeSettings
 
 
 class DecodeSettings(NodeSettings):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from shared.security import CurveKeys, write_keys
+from shared.wire.security import CurveKeys, write_keys
 
 
 def free_port() -> int:

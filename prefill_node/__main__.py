@@ -3,7 +3,7 @@
 from prefill_node.service import PrefillService
 from prefill_node.settings import PrefillSettings
 from shared.cli import parse_settings
-from shared.runtime import run_node
+from shared.node.runtime import run_node
 
 
 def main() -> None:

@@ -27,16 +27,16 @@ import time
 
 from prefill_node.settings import PrefillSettings
 from prefill_node.transfer_worker import Digests, TransferOutcome, TransferTask, TransferWorker
-from shared import protocol
-from shared.agreement import Participant
-from shared.aux_buffers import Aux
 from shared.errors import PoolExhausted, RejectedMessage
-from shared.head_split import HeadRange, kv_heads, writers
-from shared.kv_layout import plan_writes
+from shared.kv.aux_buffers import Aux
+from shared.kv.head_split import HeadRange, kv_heads, writers
+from shared.kv.layout import plan_writes
 from shared.metrics import ServiceMetrics
-from shared.rank import NodeHooks, Rank, RankRoom, RankService
-from shared.room import Room
-from shared.states import FailureReason, RoomState
+from shared.node.agreement import Participant
+from shared.node.rank import NodeHooks, Rank, RankRoom, RankService
+from shared.room.record import Room
+from shared.room.states import FailureReason, RoomState
+from shared.wire import protocol
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from shared.settings import NodeSettings
-from shared.transfer import WRITE_TIMEOUT_S
+from shared.kv.transfer import WRITE_TIMEOUT_S
+from shared.node.settings import NodeSettings
 
 
 class PrefillSettings(NodeSettings):

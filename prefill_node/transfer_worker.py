@@ -26,13 +26,13 @@ from collections.abc import Callable, Iterator
 import msgspec
 import zmq
 
-from shared import protocol
 from shared.errors import TransferError
-from shared.kv_digest import Digester
-from shared.kv_layout import Write, total_bytes
-from shared.security import Security
-from shared.transfer import MAX_IN_FLIGHT, WRITE_TIMEOUT_S, TransferEngine, WriteJob, WriteUnresolved
-from shared.zmq_io import PushSockets
+from shared.kv.digest import Digester
+from shared.kv.layout import Write, total_bytes
+from shared.kv.transfer import MAX_IN_FLIGHT, WRITE_TIMEOUT_S, TransferEngine, WriteJob, WriteUnresolved
+from shared.wire import protocol
+from shared.wire.security import Security
+from shared.wire.zmq_io import PushSockets
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@
     ├── PoolExhausted            no free KV page or aux slot
     ├── TransferError            the transfer engine failed a write
     ├── RegistrationError        the bootstrap refused or could not take a node
-    ├── SecretError              a key or secret file is missing or unreadable (shared.security)
+    ├── SecretError              a key or secret file is missing or unreadable (shared.wire.security)
     ├── StoreUnavailable         the bootstrap's store cannot be reached (bootstrap.store)
     └── ClientError              the client's bootstrap refused or could not be reached (bootstrap.client)
 

@@ -21,7 +21,7 @@ from prometheus_client import (
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from shared.cli import VERSION
-from shared.states import RoomState
+from shared.room.states import RoomState
 
 __all__ = ["CONTENT_TYPE_LATEST", "NO_OPENTELEMETRY", "ServiceMetrics"]
 

@@ -3,8 +3,8 @@
 import random
 import struct
 
-from shared import protocol
-from shared.aux_buffers import Aux
+from shared.kv.aux_buffers import Aux
+from shared.wire import protocol
 
 Frames = list[bytes]
 

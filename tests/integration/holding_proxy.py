@@ -15,8 +15,8 @@ from pathlib import Path
 import zmq
 
 from launcher.local_stack import Service, free_ports
-from shared import protocol
-from shared.security import CurveKeys, Security, ZapHandler
+from shared.wire import protocol
+from shared.wire.security import CurveKeys, Security, ZapHandler
 
 Frames = list[bytes]
 Hold = Callable[[protocol.Message], bool]  # messages name the rank they are for

@@ -21,7 +21,9 @@ from typing import Any
 
 import torch
 
-from shared import kv_digest, kv_source, transfer
+from shared.kv import digest as kv_digest
+from shared.kv import transfer
+from shared.models import source as kv_source
 
 HOOK = os.environ.get("KVROOM_TEST_HOOK", "")
 ROLE = os.environ.get("KVROOM_TEST_ROLE", "decode")

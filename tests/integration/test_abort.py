@@ -1,6 +1,6 @@
 """DELETE /rooms/{room} on a room in flight: FAILED aborted on both nodes, pages back."""
 
-from shared import protocol
+from shared.wire import protocol
 from tests.integration.helpers import metric, node_room, pools_full
 from tests.integration.holding_proxy import in_front_of
 from tests.support import until

@@ -4,9 +4,9 @@ import contextlib
 
 import pytest
 
-from shared import protocol
-from shared.aux_buffers import AUX_RECORD, Aux
-from shared.model import encode_text, generate
+from shared.kv.aux_buffers import AUX_RECORD, Aux
+from shared.models.reference import encode_text, generate
+from shared.wire import protocol
 from tests.integration.helpers import metric, node_room, pools_full
 from tests.integration.holding_proxy import in_front_of
 from tests.support import until

@@ -8,7 +8,7 @@ request is served.
 
 import json
 
-from shared.model import encode_text, generate
+from shared.models.reference import encode_text, generate
 from tests.integration.helpers import pools_full
 
 DEEP = "[" * 100_000 + "]" * 100_000

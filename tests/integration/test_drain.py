@@ -12,7 +12,7 @@ import time
 
 import httpx
 
-from shared.model import encode_text, generate
+from shared.models.reference import encode_text, generate
 from tests.integration.helpers import pools_full
 from tests.support import until
 from tests.support.stacks import FAST_NODE
@@ -106,7 +106,7 @@ def test_a_drain_ends_what_still_runs_at_its_grace_shutdown_and_exits(fast_stack
 
 def test_a_model_decoding_in_its_thread_does_not_hold_the_exit(fast_stack, tmp_path):
     """A Hugging Face model decodes in a thread of its own: the drained node exits without it."""
-    from shared.tiny_model import write_tiny_model
+    from launcher.tiny_model import write_tiny_model
 
     stack = fast_stack
     path = str(write_tiny_model("llama", tmp_path / "tiny-llama"))

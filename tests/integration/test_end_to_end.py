@@ -2,7 +2,7 @@
 
 import httpx
 
-from shared.model import encode_text, generate
+from shared.models.reference import encode_text, generate
 from tests.integration.helpers import metric, pools_full
 from tests.support import until
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from shared.errors import TransferError
-from shared.transfer import MAX_IN_FLIGHT, MooncakeEngine, WriteJob
+from shared.kv.transfer import MAX_IN_FLIGHT, MooncakeEngine, WriteJob
 
 REGION = 4 << 20
 

@@ -12,8 +12,8 @@ import threading
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from shared.model import encode_text, generate
-from shared.security import CurveKeys, Security
+from shared.models.reference import encode_text, generate
+from shared.wire.security import CurveKeys, Security
 from tests.integration.fuzz_frames import fuzz_frames
 from tests.integration.helpers import metric, pools_full
 from tests.support import until

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from shared.tiny_model import write_tiny_model
+from launcher.tiny_model import write_tiny_model
 from tests.integration.test_tensor_parallel import all_ranks_full
 from tests.support import until
 

@@ -5,7 +5,7 @@ import random
 
 import httpx
 
-from shared.model import encode_text, generate
+from shared.models.reference import encode_text, generate
 from tests.integration.helpers import pools_full
 from tests.support import until
 

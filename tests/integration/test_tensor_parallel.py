@@ -8,8 +8,8 @@ import signal
 import httpx
 import pytest
 
-from shared import protocol
-from shared.model import encode_text, generate
+from shared.models.reference import encode_text, generate
+from shared.wire import protocol
 from tests.integration.helpers import metric, node_room
 from tests.integration.holding_proxy import in_front_of
 from tests.support import until

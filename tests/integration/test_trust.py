@@ -8,9 +8,9 @@ import pytest
 import zmq
 
 from launcher.local_stack import Service
-from shared import protocol
-from shared.model import encode_text, generate
-from shared.security import CurveKeys, Security
+from shared.models.reference import encode_text, generate
+from shared.wire import protocol
+from shared.wire.security import CurveKeys, Security
 from tests.integration.helpers import metric, node_room, pools_full
 from tests.integration.holding_proxy import in_front_of
 from tests.support import until

@@ -5,8 +5,8 @@ import ctypes
 from collections.abc import Iterable
 
 from shared.errors import TransferError
-from shared.kv_layout import Write
-from shared.transfer import WRITE_TIMEOUT_S, TransferEngine
+from shared.kv.layout import Write
+from shared.kv.transfer import WRITE_TIMEOUT_S, TransferEngine
 
 
 class FakeEngine(TransferEngine):

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from launcher.local_stack import LocalStack, free_port
-from shared.model import ReferenceModel, configure_determinism
+from shared.models.reference import ReferenceModel, configure_determinism
 
 # Short liveness settings so fault tests finish in seconds.
 FAST_BOOTSTRAP = ["--node-ttl-s", "1.5"]

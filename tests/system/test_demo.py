@@ -12,7 +12,7 @@ def test_the_demo_runs_a_tiny_model_and_checks_every_room(tmp_path):
         [
             sys.executable,
             "-m",
-            "bootstrap.demo",
+            "launcher.demo",
             "--model",
             "tiny-qwen2",
             "--rooms",

@@ -24,10 +24,10 @@ EXTRA_GAUGES = {
     "bootstrap": ["kvroom_live_prefill_nodes", "kvroom_live_decode_nodes"],
 }
 GAUGE_SOURCES = {
-    "kvroom_free_pages": "shared/runtime.py",
-    "kvroom_total_pages": "shared/runtime.py",
-    "kvroom_free_aux_slots": "shared/runtime.py",
-    "kvroom_total_aux_slots": "shared/runtime.py",
+    "kvroom_free_pages": "shared/node/runtime.py",
+    "kvroom_total_pages": "shared/node/runtime.py",
+    "kvroom_free_aux_slots": "shared/node/runtime.py",
+    "kvroom_total_aux_slots": "shared/node/runtime.py",
     "kvroom_live_prefill_nodes": "bootstrap/cluster.py",
     "kvroom_live_decode_nodes": "bootstrap/cluster.py",
 }

@@ -46,7 +46,7 @@ def test_ci_runs_the_readme_test_command():
 
 
 def test_failure_reasons_are_documented():
-    from shared.states import FailureReason
+    from shared.room.states import FailureReason
 
     failures = (DOCS / "failures.md").read_text()
     for reason in FailureReason:

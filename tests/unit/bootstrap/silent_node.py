@@ -2,8 +2,8 @@
 
 import zmq
 
-from shared import protocol
-from shared.security import CurveKeys, Security
+from shared.wire import protocol
+from shared.wire.security import CurveKeys, Security
 from tests.unit.bootstrap.test_api import AUTH, registration
 
 

@@ -8,8 +8,8 @@ from fastapi.testclient import TestClient
 from bootstrap.app import create_app
 from bootstrap.settings import BootstrapSettings
 from launcher.local_stack import free_port
-from shared.head_split import kv_heads
-from shared.security import CurveKeys
+from shared.kv.head_split import kv_heads
+from shared.wire.security import CurveKeys
 
 JOIN = "join-secret-for-tests"
 KEY = "client-api-key"

@@ -3,8 +3,8 @@ nodes hear so. The nodes here are real CURVE-serving ZMQ sockets that take rooms
 
 from bootstrap import rooms
 from bootstrap.store import Attempt, RoomData
-from shared import protocol
-from shared.states import RoomState
+from shared.room.states import RoomState
+from shared.wire import protocol
 from tests.unit.bootstrap.silent_node import join
 from tests.unit.bootstrap.test_api import make_client
 

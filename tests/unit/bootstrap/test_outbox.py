@@ -3,7 +3,7 @@
 import asyncio
 
 from bootstrap.outbox import MAX_TOKENS_PER_MESSAGE, Outbox
-from shared import protocol
+from shared.wire import protocol
 
 PREFILL = protocol.PeerRank(0, "p:1", "tcp://127.0.0.1:1", "", 0, 4)
 DECODE = protocol.PeerRank(0, "d:1", "tcp://127.0.0.1:2", "", 0, 4)

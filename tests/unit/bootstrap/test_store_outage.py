@@ -9,9 +9,9 @@ import zmq
 from bootstrap.cluster import Cluster
 from bootstrap.settings import BootstrapSettings
 from bootstrap.store import StoreUnavailable
-from shared import protocol
-from shared.security import Security
-from shared.states import RoomState
+from shared.room.states import RoomState
+from shared.wire import protocol
+from shared.wire.security import Security
 from tests.support import until
 from tests.unit.bootstrap.silent_node import join
 from tests.unit.bootstrap.test_api import AUTH, make_client

@@ -7,7 +7,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from bootstrap.tokenizer import ByteTokenizer, TokenizerError, load_tokenizer
-from shared.tiny_model import write_tiny_model
+from launcher.tiny_model import write_tiny_model
 
 TEXTS = ["a", "Hello, kvroom!", "The quick brown fox jumps over the lazy dog.", "ünïcödé ✓ and\ttabs\n"]
 

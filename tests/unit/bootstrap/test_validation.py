@@ -4,7 +4,7 @@ import msgspec
 import pytest
 
 from bootstrap.validation import MAX_STOP_CHARS, MAX_STOP_STRINGS
-from shared import protocol
+from shared.wire import protocol
 
 
 def test_the_wire_takes_whatever_the_api_accepts():
@@ -26,7 +26,7 @@ def test_the_wire_takes_whatever_the_api_accepts():
 
 def test_the_bootstraps_context_of_the_reference_model_is_the_models():
     from bootstrap.tokenizer import ByteTokenizer
-    from shared.model import ModelConfig
+    from shared.models.reference import ModelConfig
 
     assert ByteTokenizer("reference").max_positions == ModelConfig().max_positions
     assert ByteTokenizer("synthetic").max_positions is None

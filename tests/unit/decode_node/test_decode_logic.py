@@ -9,15 +9,15 @@ import uvloop
 from decode_node.service import DecodeService
 from decode_node.settings import DecodeSettings
 from launcher.local_stack import free_port
-from shared import protocol
-from shared.agreement import Solo
-from shared.aux_buffers import Aux
 from shared.errors import RejectedMessage
-from shared.kv_source import make_source
+from shared.kv.aux_buffers import Aux
 from shared.metrics import ServiceMetrics
-from shared.rank import Rank
-from shared.security import CurveKeys, Security
-from shared.states import RoomState
+from shared.models.source import make_source
+from shared.node.agreement import Solo
+from shared.node.rank import Rank
+from shared.room.states import RoomState
+from shared.wire import protocol
+from shared.wire.security import CurveKeys, Security
 from tests.support import until_async
 from tests.support.fakes import FakeEngine
 
@@ -393,7 +393,7 @@ def test_a_room_stays_live_while_it_decodes_and_an_abort_ends_it_at_once():
 def test_a_draining_leader_refuses_rooms_it_has_not_seen():
     """New rooms are refused before any rank takes them (FAILED draining, reported); a room the
     node already holds is still its own, and an abort still reaches it."""
-    from shared.leader import NodeLeader
+    from shared.node.leader import NodeLeader
 
     async def body(service, node):
         leader = NodeLeader("decode", "d", service.rank, 1, None)
@@ -420,7 +420,7 @@ def test_a_draining_leader_refuses_rooms_it_has_not_seen():
 def test_verified_pages_that_match_succeed_and_pages_that_cannot_be_digested_fail(monkeypatch, large):
     """At once for a small room, in the digest thread for a large one; a digest that raised
     leaves the pages unverified: the room fails, it never waits or succeeds."""
-    from shared import kv_digest
+    from shared.kv import digest as kv_digest
 
     if large:
         monkeypatch.setattr(kv_digest, "INLINE_BYTES", 0)

@@ -10,14 +10,14 @@ import uvloop
 from launcher.local_stack import free_port
 from prefill_node.service import PrefillService
 from prefill_node.settings import PrefillSettings
-from shared import protocol
-from shared.agreement import Solo
 from shared.errors import RejectedMessage
-from shared.kv_source import make_source
 from shared.metrics import ServiceMetrics
-from shared.rank import Rank
-from shared.security import Security
-from shared.states import RoomState
+from shared.models.source import make_source
+from shared.node.agreement import Solo
+from shared.node.rank import Rank
+from shared.room.states import RoomState
+from shared.wire import protocol
+from shared.wire.security import Security
 from tests.support import until_async
 from tests.support.fakes import FakeEngine
 

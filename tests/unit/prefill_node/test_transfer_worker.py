@@ -10,12 +10,12 @@ import pytest
 import zmq
 
 from prefill_node.transfer_worker import TOGETHER_BYTES, TransferOutcome, TransferTask, TransferWorker
-from shared import protocol
 from shared.errors import TransferError
-from shared.kv_layout import total_bytes
-from shared.security import Security
-from shared.transfer import MAX_IN_FLIGHT, TransferEngine, WriteJob, WriteUnresolved
-from shared.zmq_io import bind_pull
+from shared.kv.layout import total_bytes
+from shared.kv.transfer import MAX_IN_FLIGHT, TransferEngine, WriteJob, WriteUnresolved
+from shared.wire import protocol
+from shared.wire.security import Security
+from shared.wire.zmq_io import bind_pull
 from tests.support import until
 
 PLAIN = Security(None)

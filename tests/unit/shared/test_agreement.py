@@ -2,9 +2,9 @@
 
 import asyncio
 
-from shared import protocol
-from shared.agreement import FollowerParticipant, Leader, LeaderParticipant, Solo
-from shared.states import FailureReason, RoomState
+from shared.node.agreement import FollowerParticipant, Leader, LeaderParticipant, Solo
+from shared.room.states import FailureReason, RoomState
+from shared.wire import protocol
 
 S = RoomState
 Agreed = tuple[int, RoomState, str | None]

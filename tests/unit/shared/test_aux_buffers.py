@@ -5,8 +5,8 @@ import zlib
 
 import pytest
 
-from shared.aux_buffers import AUX_RECORD, Aux, AuxBuffers, record_digest, unpack
 from shared.errors import AuxValidationError, PoolExhausted
+from shared.kv.aux_buffers import AUX_RECORD, Aux, AuxBuffers, record_digest, unpack
 
 RECORD = Aux(room=(1 << 53) - 1, first_token=120, cached_tokens=17, logprob=-1.25)
 

@@ -7,9 +7,9 @@ import itertools
 
 import pytest
 
-from shared.aux_buffers import Aux
-from shared.gate import Expected, Invalid, Landed, Pending, RankView, Ready, node_verdict, rank_verdict
-from shared.states import FailureReason, RoomState
+from shared.kv.aux_buffers import Aux
+from shared.room.gate import Expected, Invalid, Landed, Pending, RankView, Ready, node_verdict, rank_verdict
+from shared.room.states import FailureReason, RoomState
 
 S = RoomState
 ROOM = 77

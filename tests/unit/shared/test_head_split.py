@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from shared.head_split import HeadRange, kv_heads, mapping_problem, query_heads, split_problem, writers
+from shared.kv.head_split import HeadRange, kv_heads, mapping_problem, query_heads, split_problem, writers
 
 SIZES = [1, 2, 4, 8]
 

@@ -14,13 +14,13 @@ import torch
 from transformers import GenerationConfig, GPT2Config
 
 from launcher.local_stack import free_port
+from launcher.tiny_model import ARCHS, EOS_ID, write_tiny_model
 from prefill_node.settings import PrefillSettings
-from shared.head_split import writers
-from shared.hf_model import HFSource
-from shared.kv_pool import KVPool
-from shared.kv_source import KVSource, make_source
-from shared.model_files import greedy_differences, model_dir, tokenizer_digest, weights_digest
-from shared.tiny_model import ARCHS, EOS_ID, write_tiny_model
+from shared.kv.head_split import writers
+from shared.kv.pool import KVPool
+from shared.models.files import greedy_differences, model_dir, tokenizer_digest, weights_digest
+from shared.models.hf import HFSource
+from shared.models.source import KVSource, make_source
 
 REPO = Path(__file__).resolve().parents[3]
 TEXTS = [
@@ -310,7 +310,7 @@ def test_weights_digest_tells_seeds_apart_and_the_tokenizer_digest_does_not(chec
 def test_the_digests_import_without_torch(checkpoints):
     path = str(checkpoints["llama"])
     code = (
-        "import sys; from shared.model_files import tokenizer_digest, weights_digest; "
+        "import sys; from shared.models.files import tokenizer_digest, weights_digest; "
         f"print(tokenizer_digest({path!r}), weights_digest({path!r})); "
         "assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
     )

@@ -11,10 +11,10 @@ import pytest
 import torch
 import xxhash
 
-from shared import kv_digest
-from shared.kv_digest import Digester
-from shared.kv_layout import KVLayout
-from shared.kv_pool import KVPool
+from shared.kv import digest as kv_digest
+from shared.kv.digest import Digester
+from shared.kv.layout import KVLayout
+from shared.kv.pool import KVPool
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4)  # 1024-byte pages
 WORDS = LAYOUT.page_bytes // 4

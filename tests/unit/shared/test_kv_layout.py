@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from shared.kv_layout import MAX_WRITE_BYTES, KVLayout, plan_writes
+from shared.kv.layout import MAX_WRITE_BYTES, KVLayout, plan_writes
+from shared.kv.pool import torch_dtype
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=4, head_dim=16, page_size=8, dtype="float16")
 PB = 100
@@ -11,20 +12,20 @@ PB = 100
 
 def test_pages_are_head_major():
     assert LAYOUT.page_shape == (4, 3, 2, 8, 16)  # (heads, layers, K/V, tokens, head_dim)
-    assert LAYOUT.torch_dtype is torch.float16
+    assert torch_dtype(LAYOUT.dtype) is torch.float16
 
 
 def test_head_and_page_bytes():
     assert LAYOUT.head_bytes == 3 * 2 * 8 * 16 * 2
     assert LAYOUT.page_bytes == 4 * LAYOUT.head_bytes
-    assert LAYOUT.page_bytes == torch.zeros(LAYOUT.page_shape, dtype=LAYOUT.torch_dtype).nbytes
+    assert LAYOUT.page_bytes == torch.zeros(LAYOUT.page_shape, dtype=torch_dtype(LAYOUT.dtype)).nbytes
     wide = KVLayout(num_layers=3, num_kv_heads=4, head_dim=16, page_size=8, dtype="float64")
     assert wide.head_bytes == 4 * LAYOUT.head_bytes
 
 
 def test_a_head_block_is_contiguous_in_a_page():
     """Head h of a page is bytes [h * head_bytes, (h + 1) * head_bytes): one write per head range."""
-    page = torch.zeros(LAYOUT.page_shape, dtype=LAYOUT.torch_dtype)
+    page = torch.zeros(LAYOUT.page_shape, dtype=torch_dtype(LAYOUT.dtype))
     page[2] = 1
     flat = page.view(-1).view(torch.uint8)
     nonzero = flat.nonzero().flatten()

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from shared.errors import PoolExhausted
-from shared.kv_layout import KVLayout
-from shared.kv_pool import KVPool
+from shared.kv.layout import KVLayout
+from shared.kv.pool import KVPool
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=4, head_dim=16, page_size=16)
 

@@ -10,9 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from shared.head_split import HeadRange
-from shared.kv_pool import KVPool
-from shared.model import (
+from shared.kv.head_split import HeadRange
+from shared.kv.pool import KVPool
+from shared.models.reference import (
     ModelConfig,
     ReferenceModel,
     configure_determinism,
@@ -227,7 +227,7 @@ def test_ranks_without_pages_still_agree_on_the_first_token(model):
 
 def test_cli_prints_json(model):
     out = subprocess.run(
-        [sys.executable, "-m", "shared.model", "--prompt", "hi", "--max-new-tokens", "5"],
+        [sys.executable, "-m", "shared.models.reference", "--prompt", "hi", "--max-new-tokens", "5"],
         check=True,
         capture_output=True,
         text=True,

@@ -5,8 +5,8 @@ import struct
 import msgspec
 import pytest
 
-from shared import protocol
 from shared.errors import FrameTooLarge, MalformedFrame, UnknownMessageType, VersionMismatch
+from shared.wire import protocol
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 KEY = "rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7"  # a Z85 public key, 40 characters

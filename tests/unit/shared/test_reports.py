@@ -4,10 +4,11 @@ at most one such message every REPORT_DELAY_S; a transfer's end soon; progress l
 import asyncio
 
 from prefill_node.settings import PrefillSettings
-from shared import membership, protocol
-from shared.membership import Membership
-from shared.room import Room
-from shared.states import RoomState
+from shared.node import membership
+from shared.node.membership import Membership
+from shared.room.record import Room
+from shared.room.states import RoomState
+from shared.wire import protocol
 from tests.support import until_async
 
 

@@ -3,8 +3,8 @@
 import pytest
 
 from shared.errors import IllegalTransition
-from shared.room import Room, RoomTable
-from shared.states import FailureReason, RoomState
+from shared.room.record import Room, RoomTable
+from shared.room.states import FailureReason, RoomState
 
 S = RoomState
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from shared.security import (
+from shared.wire.security import (
     CurveKeys,
     SecretError,
     Security,
@@ -116,7 +116,7 @@ def test_bearer_tokens(header, token):
 
 
 def test_plain_security_is_no_security(caplog):
-    with caplog.at_level(logging.WARNING, logger="shared.security"):
+    with caplog.at_level(logging.WARNING, logger="shared.wire.security"):
         plain = security_for("plain", None)
     assert plain == Security(None) and plain.public_key == ""
     assert "OFF" in caplog.text

@@ -3,7 +3,7 @@ import itertools
 import pytest
 
 from shared.errors import IllegalTransition
-from shared.states import TRANSITIONS, RoomState, check_transition, forward_path
+from shared.room.states import TRANSITIONS, RoomState, check_transition, forward_path
 
 S = RoomState
 LEGAL = {

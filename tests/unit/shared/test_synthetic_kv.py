@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from shared import synthetic_kv
-from shared.kv_layout import KVLayout
-from shared.kv_pool import KVPool
+from shared.kv.layout import KVLayout
+from shared.kv.pool import KVPool
+from shared.models import synthetic as synthetic_kv
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, dtype="bfloat16")
 WIDE = LAYOUT.with_heads(4)  # a prefill rank holding all four heads of a model split over two decode ranks

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from shared.tiny_model import ARCHS, write_tiny_model
+from launcher.tiny_model import ARCHS, write_tiny_model
 
 REPO = Path(__file__).resolve().parents[3]
 FILES = [
@@ -127,7 +127,7 @@ def test_eos_is_rare_but_reachable(tmp_path):
 def test_command_line_writes_the_same_checkpoint(checkpoints, tmp_path):
     out = tmp_path / "cli"
     result = subprocess.run(
-        [sys.executable, "-m", "shared.tiny_model", "--arch", "qwen2", "--out", str(out)],
+        [sys.executable, "-m", "launcher.tiny_model", "--arch", "qwen2", "--out", str(out)],
         cwd=REPO,
         capture_output=True,
         text=True,

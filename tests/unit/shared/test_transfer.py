@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from shared.errors import TransferError
-from shared.transfer import (
+from shared.kv.transfer import (
     MAX_BATCH_ENTRIES,
     MAX_IN_FLIGHT,
     MooncakeEngine,

@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 import zmq
 
-from shared import protocol
 from shared.errors import RejectedMessage
 from shared.metrics import ServiceMetrics
-from shared.security import CurveKeys, Security, ZapHandler
-from shared.zmq_io import RECEIVE_BATCH, PushSockets, bind_pull, dispatcher, receive_forever
+from shared.wire import protocol
+from shared.wire.security import CurveKeys, Security, ZapHandler
+from shared.wire.zmq_io import RECEIVE_BATCH, PushSockets, bind_pull, dispatcher, receive_forever
 
 PLAIN = Security(None)
 WAIT_S = 5.0  # the longest any test waits for something that must happen
@@ -142,9 +142,9 @@ def test_a_handler_that_raises_is_logged_and_loses_no_later_message(context, cap
                 await inbox.until(lambda items: len(items) == 5)
             return inbox.items
 
-    with caplog.at_level(logging.ERROR, logger="shared.zmq_io"):
+    with caplog.at_level(logging.ERROR, logger="shared.wire.zmq_io"):
         assert asyncio.run(run()) == [0, 1, 2, 3, 4]
-    assert [r.getMessage() for r in caplog.records if r.name == "shared.zmq_io"] == [
+    assert [r.getMessage() for r in caplog.records if r.name == "shared.wire.zmq_io"] == [
         "message handler failed; receiving goes on"
     ]
 
@@ -298,7 +298,7 @@ def test_the_dispatcher_counts_refusals_by_their_kind_and_bugs_as_internal(caplo
         raise RuntimeError("a handler bug")
 
     on_message = dispatcher(handle, metrics)
-    with caplog.at_level(logging.WARNING, logger="shared.zmq_io"):
+    with caplog.at_level(logging.WARNING, logger="shared.wire.zmq_io"):
         on_message(protocol.encode(protocol.AbortRoom(room=9, rank=0, reason="x")), None)
         on_message(protocol.encode(protocol.TransferStarted(room=5, rank=0, prefill_rank=0)), None)
     assert rejected(metrics, "unknown_room") == 1 and rejected(metrics, "internal") == 1
@@ -309,7 +309,7 @@ def test_a_dropped_frame_is_logged_with_the_room_it_names(caplog):
     metrics = ServiceMetrics("test")
     body = protocol.encode(protocol.AbortRoom(room=31, rank=0, reason="x"))[1]
     bad_rank = [header(), body.replace(b"\xa4rank\x00", b"\xa4rank\xcd\x03\xe7")]
-    with caplog.at_level(logging.WARNING, logger="shared.zmq_io"):
+    with caplog.at_level(logging.WARNING, logger="shared.wire.zmq_io"):
         dispatcher(lambda *a: None, metrics)(bad_rank, None)
     assert rejected(metrics, "malformed") == 1
     assert [r.getMessage().split(" ")[0] for r in caplog.records] == ["room=31"]

@@ -15,15 +15,16 @@ from typing import Any
 
 import zmq
 
-from shared import agreement, protocol
 from shared.cli import VERSION
-from shared.membership import Membership, Standing
-from shared.rank import Rank, RankService
-from shared.registration import Heartbeat, NodeRegistration, RankInfo, RankStatus
-from shared.room import Room
-from shared.security import Security
-from shared.states import FailureReason
-from shared.zmq_io import PushSockets, bind_pull
+from shared.node import agreement
+from shared.node.membership import Membership, Standing
+from shared.node.rank import Rank, RankService
+from shared.room.record import Room
+from shared.room.states import FailureReason
+from shared.wire import protocol
+from shared.wire.registration import Heartbeat, NodeRegistration, RankInfo, RankStatus
+from shared.wire.security import Security
+from shared.wire.zmq_io import PushSockets, bind_pull
 
 log = logging.getLogger(__name__)
 # Rooms held this long are named in heartbeats: the bootstrap says which it no longer holds.

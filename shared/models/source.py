@@ -1,7 +1,7 @@
 """What a node computes a room's KV with, and decodes it with: handed to the node, never chosen inside it.
 
 Three sources: the reference model (``ReferenceSource``), a Hugging Face model
-(``shared.hf_model.HFSource``) and synthetic stamped pages for benchmarks
+(``shared.models.hf.HFSource``) and synthetic stamped pages for benchmarks
 (``SyntheticSource``). ``make_source`` picks one from the settings.
 
 Contract for sources whose ranks run collectives (``inline`` False): every rank
@@ -14,14 +14,14 @@ import abc
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from shared import synthetic_kv
 from shared.errors import KvroomError
-from shared.head_split import HeadRange, kv_heads
-from shared.kv_layout import KVLayout
-from shared.kv_pool import KVPool
-from shared.model import AllReduce, ModelConfig, ReferenceModel, decode_text
-from shared.registration import ModelIdentity
-from shared.settings import NodeSettings
+from shared.kv.head_split import HeadRange, kv_heads
+from shared.kv.layout import KVLayout
+from shared.kv.pool import KVPool
+from shared.models import synthetic
+from shared.models.reference import AllReduce, ModelConfig, ReferenceModel, decode_text
+from shared.node.settings import NodeSettings
+from shared.wire.registration import ModelIdentity
 
 OnToken = Callable[[int], object]
 
@@ -151,7 +151,7 @@ class SyntheticSource(KVSource):
     def prefill(
         self, room: int, pool: KVPool, pages: list[int] | None, input_ids: list[int]
     ) -> tuple[int, float]:
-        synthetic_kv.fill(pool, pages or [], room, self.kv_heads.start, self._total)
+        synthetic.fill(pool, pages or [], room, self.kv_heads.start, self._total)
         return ord("K"), 0.0
 
     def decode(
@@ -166,7 +166,7 @@ class SyntheticSource(KVSource):
         on_token: OnToken | None = None,
     ) -> Decoded:
         kv_pages = pages[: pool.layout.pages_for(prompt_len)]
-        if not synthetic_kv.verify(pool, kv_pages, room, self.kv_heads.start, self._total):
+        if not synthetic.verify(pool, kv_pages, room, self.kv_heads.start, self._total):
             raise DecodeFailed(f"room {room}: synthetic KV did not land intact")
         return Decoded([], "length")
 
@@ -194,6 +194,6 @@ def make_source(settings: NodeSettings, rank: int, all_reduce: AllReduce | None)
             settings.resolved_dtype,
         )
         return SyntheticSource(layout, heads, total)
-    from shared.hf_model import HFSource
+    from shared.models.hf import HFSource
 
     return HFSource(settings, rank, all_reduce)

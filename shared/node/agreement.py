@@ -29,9 +29,9 @@ from collections.abc import Callable
 
 import torch
 
-from shared import protocol
-from shared.gate import RankView, node_verdict
-from shared.states import FailureReason, RoomState
+from shared.room.gate import RankView, node_verdict
+from shared.room.states import FailureReason, RoomState
+from shared.wire import protocol
 
 log = logging.getLogger(__name__)
 

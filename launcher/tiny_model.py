@@ -4,7 +4,7 @@ The tokenizer is a byte-level BPE trained on a built-in English corpus, the
 weights come from ``torch.manual_seed(seed)``; the same arguments give
 byte-identical files. For tests and demos, never for quality.
 
-    python -m shared.tiny_model --arch llama|qwen2 --out DIR [--seed N]
+    python -m launcher.tiny_model --arch llama|qwen2 --out DIR [--seed N]
 """
 
 import argparse

@@ -1,7 +1,7 @@
 """ZMQ for the services: one PUSH socket per peer endpoint with sends that never
 block, and a PULL socket drained on the event loop.
 
-With CURVE on (see ``shared.security``) a PUSH socket is a client of the
+With CURVE on (see ``shared.wire.security``) a PUSH socket is a client of the
 peer's public key, a PULL socket a server, and every message received comes
 with the sender's public key. Sockets are plain (not zmq.asyncio) sockets; a
 PushSockets object belongs to one thread.
@@ -17,10 +17,10 @@ from typing import Any, cast
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from shared import protocol
 from shared.errors import KvroomError, ProtocolError
 from shared.metrics import ServiceMetrics
-from shared.security import Security
+from shared.wire import protocol
+from shared.wire.security import Security
 
 log = logging.getLogger(__name__)
 

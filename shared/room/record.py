@@ -5,7 +5,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from shared.states import FailureReason, RoomState, check_transition, forward_path
+from shared.room.states import FailureReason, RoomState, check_transition, forward_path
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ o_proj and down_proj keep the matching input columns, their biases on rank 0
 only, and forward hooks sum their outputs over the ranks with ``all_reduce``.
 Embeddings, norms and lm_head stay whole, so every rank picks the same token.
 
-The digests of the model's files live in ``shared.model_files``, which the
+The digests of the model's files live in ``shared.models.files``, which the
 bootstrap reads without torch.
 """
 
@@ -28,11 +28,10 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from shared.head_split import kv_heads, query_heads, split_problem
-from shared.kv_layout import KVLayout, torch_dtype
-from shared.kv_pool import KVPool
-from shared.kv_source import Decoded, KVSource, OnToken, stop_at
-from shared.model_files import (
+from shared.kv.head_split import kv_heads, query_heads, split_problem
+from shared.kv.layout import KVLayout
+from shared.kv.pool import KVPool, torch_dtype
+from shared.models.files import (
     SUPPORTED_ARCHITECTURES,
     greedy_differences,
     model_dir,
@@ -40,8 +39,9 @@ from shared.model_files import (
     tokenizer_digest,
     weights_digest,
 )
-from shared.registration import ModelIdentity
-from shared.settings import NodeSettings
+from shared.models.source import Decoded, KVSource, OnToken, stop_at
+from shared.node.settings import NodeSettings
+from shared.wire.registration import ModelIdentity
 
 log = logging.getLogger(__name__)
 

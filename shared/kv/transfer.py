@@ -10,14 +10,13 @@ import os
 import time
 from collections.abc import Iterable, Iterator, MutableMapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
 
 from shared.errors import TransferError
-from shared.kv_layout import Write, total_bytes
+from shared.kv.layout import Write, total_bytes
+from shared.settings import Transport
 
 log = logging.getLogger(__name__)
 
-Transport = Literal["tcp", "rdma", "nvlink"]
 # One TCP batch of a few thousand entries fails or wedges the peer; stay far below.
 MAX_BATCH_ENTRIES = 512
 # Writes submitted and not yet completed, when they are waited on by polling; the engine

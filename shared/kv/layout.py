@@ -12,23 +12,12 @@ A layer-major pool would cost one write per layer per run instead.
 """
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 import msgspec
-
-if TYPE_CHECKING:
-    import torch
 
 # Element sizes by dtype name: the layout is plain data, so the bootstrap can check it without torch.
 ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
 DTYPE_NAMES = tuple(ITEMSIZE)
-
-
-def torch_dtype(name: str) -> "torch.dtype":
-    import torch
-
-    dtype: torch.dtype = getattr(torch, name)
-    return dtype
 
 
 # Longer writes are cut: over TCP, pieces of this size moved faster than whole runs of
@@ -50,10 +39,6 @@ class KVLayout(msgspec.Struct, frozen=True):
     head_dim: int
     page_size: int
     dtype: str = "float32"
-
-    @property
-    def torch_dtype(self) -> "torch.dtype":
-        return torch_dtype(self.dtype)
 
     @property
     def page_shape(self) -> tuple[int, ...]:

@@ -8,9 +8,15 @@ import random
 import torch
 
 from shared.errors import PoolExhausted
-from shared.kv_layout import KVLayout
+from shared.kv.layout import KVLayout
 
 log = logging.getLogger(__name__)
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a layout's dtype name (the layout itself stays free of torch)."""
+    dtype: torch.dtype = getattr(torch, name)
+    return dtype
 
 
 class KVPool:
@@ -26,7 +32,9 @@ class KVPool:
             raise ValueError("a KV pool needs at least one page")
         self.layout = layout
         self.num_pages = num_pages
-        self.data = torch.zeros((num_pages, *layout.page_shape), dtype=layout.torch_dtype, device=device)
+        self.data = torch.zeros(
+            (num_pages, *layout.page_shape), dtype=torch_dtype(layout.dtype), device=device
+        )
         order = list(range(num_pages))
         if scatter:  # for benchmarks: every allocation breaks into short runs
             random.Random(num_pages).shuffle(order)

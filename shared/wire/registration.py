@@ -7,9 +7,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from shared import protocol
-from shared.head_split import HeadRange
-from shared.kv_layout import DTYPE_NAMES, KVLayout
+from shared.kv.head_split import HeadRange
+from shared.kv.layout import DTYPE_NAMES, KVLayout
+from shared.wire import protocol
 
 Role = Literal["prefill", "decode"]
 Z85_KEY = r"^[0-9a-zA-Z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}$"

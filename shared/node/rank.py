@@ -2,7 +2,7 @@
 
 A rank owns a transfer engine (its own session id), a KV pool holding its
 share of the KV heads, its ZMQ identity and sockets, and a model worker. Its
-rooms' states are the states the node's ranks agreed on (``shared.agreement``):
+rooms' states are the states the node's ranks agreed on (``shared.node.agreement``):
 what the rank alone has reached is ``RankRoom.local``.
 
 Room assignments and the bootstrap's aborts reach rank 0 only; rank 0 checks
@@ -21,20 +21,20 @@ from typing import Any, Protocol, TypeVar
 
 import zmq
 
-from shared import protocol
-from shared.agreement import Participant
 from shared.errors import RejectedMessage
-from shared.kv_digest import Digester
-from shared.kv_pool import KVPool
-from shared.kv_source import KVSource
+from shared.kv.digest import Digester
+from shared.kv.pool import KVPool
+from shared.kv.transfer import MooncakeEngine, TransferEngine
 from shared.metrics import ServiceMetrics
-from shared.registration import RankInfo
-from shared.room import Room, RoomTable
-from shared.security import Security, ZapHandler
-from shared.settings import NodeSettings
-from shared.states import RoomState
-from shared.transfer import MooncakeEngine, TransferEngine
-from shared.zmq_io import PushSockets, bind_pull
+from shared.models.source import KVSource
+from shared.node.agreement import Participant
+from shared.node.settings import NodeSettings
+from shared.room.record import Room, RoomTable
+from shared.room.states import RoomState
+from shared.wire import protocol
+from shared.wire.registration import RankInfo
+from shared.wire.security import Security, ZapHandler
+from shared.wire.zmq_io import PushSockets, bind_pull
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

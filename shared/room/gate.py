@@ -16,8 +16,8 @@ and SUCCESS only if every rank is ready with the same record.
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from shared.aux_buffers import Aux, unpack
-from shared.states import FailureReason, RoomState
+from shared.kv.aux_buffers import Aux, unpack
+from shared.room.states import FailureReason, RoomState
 
 
 @dataclass(frozen=True)

@@ -73,7 +73,7 @@ Rank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_RANKS)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
 Digest = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
 Token = Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
-DigestKind = Literal["xxh3", "wsum"]  # verify mode's page digests (shared.kv_digest)
+DigestKind = Literal["xxh3", "wsum"]  # verify mode's page digests (shared.kv.digest)
 Head = Annotated[int, msgspec.Meta(ge=0, le=MAX_HEADS)]
 HeadCount = Annotated[int, msgspec.Meta(ge=1, le=MAX_HEADS)]
 Endpoint = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
@@ -194,7 +194,7 @@ class KvDone(msgspec.Struct, frozen=True):
     Always travels with the aux record as the third frame of the same message.
     ``digests`` (verify mode) holds one digest per destination page, in the
     order of the request's page indices, over the bytes this rank wrote there,
-    of the kind ``digest_kind`` names (``shared.kv_digest``).
+    of the kind ``digest_kind`` names (``shared.kv.digest``).
     """
 
     room: RoomId

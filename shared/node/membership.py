@@ -18,12 +18,12 @@ from typing import Any
 
 import httpx
 
-from shared import protocol
 from shared.errors import RegistrationError
-from shared.registration import Heartbeat, NodeRegistration, Registered
-from shared.room import Room
-from shared.security import load_public_key
-from shared.settings import NodeSettings
+from shared.node.settings import NodeSettings
+from shared.room.record import Room
+from shared.wire import protocol
+from shared.wire.registration import Heartbeat, NodeRegistration, Registered
+from shared.wire.security import load_public_key
 
 log = logging.getLogger(__name__)
 

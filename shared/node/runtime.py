@@ -32,21 +32,22 @@ import uvloop
 from fastapi import FastAPI, HTTPException, Response
 from fastapi.responses import JSONResponse
 
-from shared import agreement, protocol
 from shared.heap import freeze_startup_heap
-from shared.kv_source import make_source
-from shared.leader import NodeLeader, RankLinks, leader_endpoint, rank_endpoint
+from shared.kv.transfer import TransferEngine
 from shared.logs import configure_logging
-from shared.membership import Membership
 from shared.metrics import CONTENT_TYPE_LATEST, NO_OPENTELEMETRY, ServiceMetrics
-from shared.model import AllReduce, configure_determinism
-from shared.rank import NodeHooks, Rank, RankService
-from shared.room import Room
-from shared.security import Security, security_for
-from shared.settings import NodeSettings
-from shared.states import FailureReason
-from shared.transfer import TransferEngine
-from shared.zmq_io import PushSockets, bind_pull, dispatcher, receive_forever
+from shared.models.reference import AllReduce, configure_determinism
+from shared.models.source import make_source
+from shared.node import agreement
+from shared.node.leader import NodeLeader, RankLinks, leader_endpoint, rank_endpoint
+from shared.node.membership import Membership
+from shared.node.rank import NodeHooks, Rank, RankService
+from shared.node.settings import NodeSettings
+from shared.room.record import Room
+from shared.room.states import FailureReason
+from shared.wire import protocol
+from shared.wire.security import Security, security_for
+from shared.wire.zmq_io import PushSockets, bind_pull, dispatcher, receive_forever
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +149,7 @@ async def _leader(
         for r in range(1, world):
             child = ctx.Process(
                 target=rank_main,
-                args=(role, settings, r, link_dir, port),
+                args=(role, settings, r, link_dir, port, factory),
                 name=f"{role}-rank{r}",
                 daemon=True,
             )
@@ -318,16 +319,15 @@ class _FollowerHooks:
         pass
 
 
-def rank_main(role: str, settings: NodeSettings, index: int, link_dir: Path, port: int) -> None:
-    """A rank process: dies with its leader, is stopped by it."""
+def rank_main(
+    role: str, settings: NodeSettings, index: int, link_dir: Path, port: int, factory: ServiceFactory
+) -> None:
+    """A rank process: dies with its leader, is stopped by it. ``factory`` is the role's service
+    class, which the spawned process imports by name."""
     ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is for the leader
     configure_logging(settings.log_level, settings.log_format, f"{role} rank {index}")
     configure_determinism()
-    from decode_node.service import DecodeService
-    from prefill_node.service import PrefillService
-
-    factory: ServiceFactory = DecodeService if role == "decode" else PrefillService
     uvloop.run(_follower(role, settings, index, link_dir, port, factory))
     _exit_now()
 

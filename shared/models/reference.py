@@ -13,7 +13,7 @@ pages. A disaggregated run (prefill on one node, pages moved, decode on
 another) must therefore give exactly the tokens of ``generate`` below, which
 runs both halves in one process.
 
-    python -m shared.model --prompt TEXT --max-new-tokens N
+    python -m shared.models.reference --prompt TEXT --max-new-tokens N
 """
 
 import argparse
@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from shared.head_split import kv_heads, query_heads, split_problem
-from shared.kv_layout import KVLayout
-from shared.kv_pool import KVPool
+from shared.kv.head_split import kv_heads, query_heads, split_problem
+from shared.kv.layout import KVLayout
+from shared.kv.pool import KVPool
 
 AllReduce = Callable[[torch.Tensor], None]  # sums a tensor over the ranks, in place
 
@@ -244,7 +244,9 @@ def generate(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m shared.model", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m shared.models.reference", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--page-size", type=int, default=16)

@@ -14,7 +14,7 @@ import weakref
 import numpy as np
 import torch
 
-from shared.kv_pool import KVPool
+from shared.kv.pool import KVPool
 
 # Tests set this to run the device path on a CPU pool.
 _TENSOR_OPS_ON_CPU = False

@@ -1,10 +1,10 @@
 """The demo workload: start the three services on 127.0.0.1 over TCP, run rooms, check every output.
 
-    python -m bootstrap.demo [--rooms 16] [--max-new-tokens 24] [--prefill-tp N] [--decode-tp N]
+    python -m launcher.demo [--rooms 16] [--max-new-tokens 24] [--prefill-tp N] [--decode-tp N]
                              [--model reference|tiny-llama|tiny-qwen2|DIR] [--log-dir DIR]
 
 ``tiny-llama`` and ``tiny-qwen2`` are small random-initialised Hugging Face
-checkpoints made on the fly (``python -m shared.tiny_model``). Exits 0 only if
+checkpoints made on the fly (``python -m launcher.tiny_model``). Exits 0 only if
 every room reached SUCCESS with exactly the tokens of a single-process,
 single-rank run of the same model on the same prompt: the reference model's
 ``generate``, or transformers' ``generate(do_sample=False)``.
@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 
 from launcher.local_stack import LocalStack
-from shared.model import ReferenceModel, configure_determinism, encode_text, generate
+from shared.models.reference import ReferenceModel, configure_determinism, encode_text, generate
 
 PROMPTS = [
     "K",
@@ -97,7 +97,7 @@ def colocated(model: str, texts: list[str], max_new_tokens: int) -> list[list[in
 def model_path(model: str, log_dir: Path) -> str:
     """A model directory for ``tiny-llama`` and ``tiny-qwen2``, made now; else ``model`` as given."""
     if model.startswith("tiny-"):
-        from shared.tiny_model import write_tiny_model
+        from launcher.tiny_model import write_tiny_model
 
         return str(write_tiny_model(model.removeprefix("tiny-"), log_dir / model))
     return model
@@ -108,7 +108,7 @@ def ms(timings: dict[str, float], key: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bootstrap.demo", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m launcher.demo", description=__doc__.split("\n")[0])
     parser.add_argument("--rooms", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--prefill-tp", type=int, default=1, help="tensor-parallel ranks of the prefill node")

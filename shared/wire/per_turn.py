@@ -9,7 +9,7 @@ import asyncio
 from collections.abc import Callable, Iterable, Iterator
 from typing import Generic, TypeVar
 
-from shared import protocol
+from shared.wire import protocol
 
 T = TypeVar("T")
 
