@@ -13,7 +13,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from bootstrap import rooms
-from bootstrap.cluster import Cluster, NoCapacity, NoLiveNode
+from bootstrap.cluster import Cluster
+from bootstrap.placement import NoCapacity, NoLiveNode
 from bootstrap.registry import Incompatible, Node
 from bootstrap.store import RoomData, StoreUnavailable
 from bootstrap.validation import PromptText, check_room, encode

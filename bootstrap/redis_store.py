@@ -34,7 +34,16 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, WatchError
 
-from bootstrap.store import BootstrapInfo, Change, Load, NodeData, RoomData, Store, StoreUnavailable
+from bootstrap.store import (
+    BootstrapInfo,
+    Change,
+    Load,
+    NodeData,
+    RoomData,
+    RoomEvents,
+    Store,
+    StoreUnavailable,
+)
 
 log = logging.getLogger(__name__)
 P = "kvroom:"
@@ -61,7 +70,8 @@ return 1
 
 
 class RedisStore(Store):
-    def __init__(self, url: str, history: int, room_ttl_s: float):
+    def __init__(self, url: str, history: int, room_ttl_s: float, events: RoomEvents):
+        super().__init__(events)
         self._url = url
         self._history = history
         self._room_ttl_ms = int(room_ttl_s * 1000)
@@ -75,8 +85,8 @@ class RedisStore(Store):
             retry_on_error=[RedisConnectionError],
         )
         # The event channel's own client, without that retry: a lost subscription must be seen, since
-        # what changed while it was down was heard by no one (on_resync).
-        self._events: aioredis.Redis = aioredis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        # what changed while it was down was heard by no one (``RoomEvents.resync``).
+        self._channel: aioredis.Redis = aioredis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
         self._reserve = self._redis.register_script(_RESERVE)
         self._release = self._redis.register_script(_RELEASE)
         self._listener: asyncio.Task[None] | None = None
@@ -97,12 +107,12 @@ class RedisStore(Store):
         """Hear of every room any bootstrap changed; reconnect when Redis comes back."""
         while True:
             try:
-                pubsub = self._events.pubsub()
+                pubsub = self._channel.pubsub()
                 await pubsub.subscribe(P + "events")
-                self.on_resync()  # what changed before the subscription was heard by no one
+                self.events.resync()  # what changed before the subscription was heard by no one
                 async for message in pubsub.listen():
                     if message["type"] == "message":
-                        self.on_change(int(message["data"]))
+                        self.events.changed(int(message["data"]))
             except (RedisError, OSError) as exc:
                 log.warning("lost the redis event channel (%s); retrying", exc)
                 await asyncio.sleep(0.5)
@@ -112,7 +122,7 @@ class RedisStore(Store):
             self._listener.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._listener
-        for client in (self._redis, self._events):
+        for client in (self._redis, self._channel):
             with contextlib.suppress(RedisError, OSError):
                 await client.aclose()
 

@@ -5,8 +5,9 @@ import time
 
 import msgspec
 
-from bootstrap.store import Load, NodeData
+from bootstrap.store import Load, NodeData, Store
 from shared.kv.head_split import mapping_problem
+from shared.metrics import ServiceMetrics
 from shared.wire.registration import Heartbeat, NodeRegistration
 
 log = logging.getLogger(__name__)
@@ -115,15 +116,55 @@ def check(reg: NodeRegistration, others: list[Node]) -> None:
                 raise Incompatible(f"model does not match {other.role} node {other.id}: {reason}")
 
 
-class Registrations:
-    """Parsed registrations, kept while a node's registration stays the same."""
+class Registry:
+    """The nodes as the store has them, each registration parsed once, and the last look at them all:
+    what reports, room views and lost connections are checked against between two looks."""
 
-    def __init__(self) -> None:
+    def __init__(self, store: Store, metrics: ServiceMetrics):
+        self._store = store
         self._parsed: dict[str, tuple[float, NodeRegistration]] = {}
+        self.last_look: list[Node] = []
+        self._live_counts = {"prefill": 0, "decode": 0}
+        for role in self._live_counts:
+            metrics.gauge_function(
+                f"kvroom_live_{role}_nodes",
+                f"Placeable {role} nodes",
+                lambda role=role: self._live_counts[role],  # type: ignore[misc]
+            )
 
-    def node(self, data: NodeData) -> Node:
+    def read(self, data: NodeData) -> Node:
+        """The node of a stored record, its registration parsed again only when it changed."""
         cached = self._parsed.get(data.node_id)
         if cached is None or cached[0] != data.registered_at:
             cached = (data.registered_at, NodeRegistration.model_validate_json(data.registration))
             self._parsed[data.node_id] = cached
         return Node(data, cached[1])
+
+    async def nodes(self) -> list[Node]:
+        """Every registered node with its liveness and load, as the store has them now."""
+        out = []
+        for data in await self._store.nodes():
+            node = self.read(data)
+            node.alive = await self._store.alive(node.id)
+            node.load = await self._store.load(node.id)
+            out.append(node)
+        self.last_look = out
+        for role in self._live_counts:
+            self._live_counts[role] = sum(1 for n in out if n.role == role and n.placeable)
+        return out
+
+    async def node(self, node_id: str) -> Node | None:
+        data = await self._store.node(node_id)
+        return self.read(data) if data is not None else None
+
+    def known(self, node_id: str) -> Node | None:
+        """The node as the last look saw it."""
+        return next((n for n in self.last_look if n.id == node_id), None)
+
+    def sessions(self, node_id: str) -> list[str]:
+        """The session ids of a node's ranks, from the last look."""
+        node = self.known(node_id)
+        return [r.session_id for r in node.reg.ranks] if node is not None else []
+
+    def live_count(self, role: str) -> int:
+        return self._live_counts[role]

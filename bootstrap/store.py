@@ -3,7 +3,7 @@
 Everything any bootstrap must see lives here: registrations, liveness leases,
 the load placed on each node, every room with its attempts, streamed tokens,
 and which bootstraps are up. A change to a room is one atomic read-modify-write
-(``update_room``); every bootstrap hears of it (``on_change``), so a client
+(``update_room``); every bootstrap hears of it (its ``RoomEvents``), so a client
 waiting on one bootstrap sees a room another one placed. ``MemoryStore`` is the
 default, embedded; Redis (``bootstrap.redis_store``) lets
 bootstraps restart, or run two at once, without losing a room.
@@ -14,6 +14,7 @@ import collections
 import secrets
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 import msgspec
 
@@ -94,14 +95,21 @@ class Load(msgspec.Struct):
     rooms: int = 0
 
 
+class RoomEvents(Protocol):
+    """Who hears what the store tells of rooms, given to the store when it is made."""
+
+    def changed(self, room: int) -> None:
+        """A room changed, on this bootstrap or another."""
+
+    def resync(self) -> None:
+        """Changes may have gone unheard (the event channel was lost and is back): read every room again."""
+
+
 class Store(abc.ABC):
     """Every method may raise StoreUnavailable."""
 
-    def on_change(self, room: int) -> None:
-        """A room changed, on this bootstrap or another; the cluster puts its own hook here."""
-
-    def on_resync(self) -> None:
-        """Changes may have gone unheard (the event channel was lost and is back): wake every waiter."""
+    def __init__(self, events: RoomEvents):
+        self.events = events
 
     # -- nodes ------------------------------------------------------------------------
 
@@ -203,7 +211,8 @@ class Store(abc.ABC):
 class MemoryStore(Store):
     """This process's own dicts: the embedded default. Finished rooms past ``history`` are forgotten."""
 
-    def __init__(self, history: int):
+    def __init__(self, history: int, events: RoomEvents):
+        super().__init__(events)
         self._history = history
         self._nodes: dict[str, NodeData] = {}
         self._leases: dict[str, float] = {}  # node -> monotonic deadline
@@ -299,7 +308,7 @@ class MemoryStore(Store):
         if change(room):
             if room.done:
                 self._trim()
-            self.on_change(room_id)
+            self.events.changed(room_id)
         return room
 
     async def link_transfer(self, transfer: int, room_id: int) -> None:
@@ -324,7 +333,7 @@ class MemoryStore(Store):
         if offset != len(have):
             return False
         have += tokens
-        self.on_change(room_id)
+        self.events.changed(room_id)
         return True
 
     async def tokens(self, room_id: int) -> list[int]:
@@ -345,9 +354,9 @@ class MemoryStore(Store):
         return self._epoch
 
 
-def open_store(url: str, history: int, room_ttl_s: float) -> Store:
+def open_store(url: str, history: int, room_ttl_s: float, events: RoomEvents) -> Store:
     if url == "memory":
-        return MemoryStore(history)
+        return MemoryStore(history, events)
     from bootstrap.redis_store import RedisStore
 
-    return RedisStore(url, history, room_ttl_s)
+    return RedisStore(url, history, room_ttl_s, events)

@@ -15,6 +15,7 @@ from shared.models.reference import encode_text, generate
 from shared.wire import protocol
 from tests.integration.helpers import metric, node_room, pools_full
 from tests.integration.holding_proxy import in_front_of
+from tests.integration.test_store_contract import Heard
 from tests.support import until, until_async
 from tests.support.stacks import FAST_BOOTSTRAP, FAST_NODE
 
@@ -154,20 +155,17 @@ def test_the_event_channel_back_after_redis_restarts_wakes_every_waiter(redis):
     from bootstrap.redis_store import RedisStore
 
     async def run() -> None:
-        store = RedisStore(redis.url, history=10, room_ttl_s=60)
-        resyncs: list[float] = []
-        changed: list[int] = []
-        store.on_resync = lambda: resyncs.append(0)  # type: ignore[method-assign]
-        store.on_change = changed.append  # type: ignore[method-assign]
+        heard = Heard()
+        store = RedisStore(redis.url, history=10, room_ttl_s=60, events=heard)
         await store.start()
         try:
-            await until_async(lambda: resyncs, 20, "the first subscription")
+            await until_async(lambda: heard.resyncs, 20, "the first subscription")
             redis.stop()
             redis.start()
-            await until_async(lambda: len(resyncs) == 2, 20, "the subscription after the restart")
+            await until_async(lambda: heard.resyncs == 2, 20, "the subscription after the restart")
             async with aioredis.from_url(redis.url) as other:  # another bootstrap changes room 7
                 await other.publish("kvroom:events", "7")
-            await until_async(lambda: changed == [7], 20, "the event")
+            await until_async(lambda: heard.rooms == [7], 20, "the event")
         finally:
             await store.close()
 

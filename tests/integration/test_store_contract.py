@@ -17,11 +17,14 @@ LONG_LEASE_S = 60.0
 
 
 class Heard:
-    """What the store told its hooks: the rooms it said changed, and every resync."""
+    """The store's ``RoomEvents``: the rooms it said changed, and every resync."""
 
     def __init__(self) -> None:
-        self.changed: list[int] = []
+        self.rooms: list[int] = []
         self.resyncs = 0
+
+    def changed(self, room: int) -> None:
+        self.rooms.append(room)
 
     def resync(self) -> None:
         self.resyncs += 1
@@ -43,10 +46,8 @@ def contract(kind: str, request: pytest.FixtureRequest) -> Contract:
 
     def run(body: Body, history: int = HISTORY, room_ttl_s: float = ROOM_TTL_S) -> None:
         async def main() -> None:
-            store = open_store(url, history, room_ttl_s)
             heard = Heard()
-            store.on_change = heard.changed.append  # type: ignore[method-assign]
-            store.on_resync = heard.resync  # type: ignore[method-assign]
+            store = open_store(url, history, room_ttl_s, heard)
             await store.start()
             try:
                 if kind == "redis":  # changes are heard once the event channel is subscribed
@@ -319,9 +320,9 @@ def test_a_room_change_is_heard_with_the_room_id(contract: Contract) -> None:
         await store.create_room(a_room(1))
         await store.create_room(a_room(2))
         await store.update_room(2, finish)
-        await until_async(lambda: heard.changed == [2], 5, "room 2's change")
+        await until_async(lambda: heard.rooms == [2], 5, "room 2's change")
         assert await store.add_tokens(1, 0, [5])
-        await until_async(lambda: heard.changed == [2, 1], 5, "room 1's tokens")
+        await until_async(lambda: heard.rooms == [2, 1], 5, "room 1's tokens")
 
     contract(body)
 
@@ -333,8 +334,8 @@ def test_a_change_that_changed_nothing_is_not_heard(contract: Contract) -> None:
         unchanged = await store.update_room(1, lambda room: False)
         assert unchanged is not None and unchanged.room == 1
         await store.update_room(2, finish)  # heard after anything said of room 1 before it
-        await until_async(lambda: 2 in heard.changed, 5, "room 2's change")
-        assert heard.changed == [2]
+        await until_async(lambda: 2 in heard.rooms, 5, "room 2's change")
+        assert heard.rooms == [2]
 
     contract(body)
 
@@ -491,7 +492,7 @@ def test_a_redis_restarted_under_the_store_is_used_again_at_once(redis):
     after the restart still succeeds (what the bootstrap reads right after its health says so)."""
 
     async def main() -> None:
-        store = open_store(redis.url, 100, 60)
+        store = open_store(redis.url, 100, 60, Heard())
         await store.start()
         try:
             await asyncio.gather(*(store.create_room(a_room(i)) for i in range(1, 9)))  # several connections

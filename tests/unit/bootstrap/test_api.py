@@ -288,9 +288,10 @@ def test_room_history_is_bounded():
 
     from bootstrap import rooms
     from bootstrap.store import Attempt, MemoryStore, RoomData
+    from bootstrap.waiters import Waiters
 
     async def run():
-        store = MemoryStore(history=3)
+        store = MemoryStore(history=3, events=Waiters())
         made = [RoomData(i, [1], 1, [], False, 0.0, [Attempt(i, "p", "d")]) for i in range(1, 7)]
 
         async def end(room):

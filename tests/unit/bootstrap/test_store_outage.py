@@ -65,7 +65,7 @@ def test_a_resync_of_the_store_wakes_every_waiter():
         cluster = Cluster(BootstrapSettings())
         try:
             async with cluster.watching(5) as first, cluster.watching(9) as second:
-                cluster.store.on_resync()
+                cluster.store.events.resync()
                 assert first.is_set() and second.is_set()
         finally:
             await cluster.close()

@@ -1,0 +1,264 @@
+"""A room from its placement to its end: handed to its nodes, failed, placed again, its pages released.
+
+A room that fails before SUCCESS for a reason that says nothing about the request (a lost node, no
+capacity, a timeout) is placed again, on other nodes where there are, up to ``max_attempts`` times.
+Every room ends: a room not ended by its deadline ends FAILED ``deadline``, and a placed room no node
+has reported on has its assignments sent again, then its attempt fails.
+"""
+
+import logging
+import time
+
+from bootstrap import rooms
+from bootstrap.outbox import Outbox
+from bootstrap.placement import NoCapacity, NoLiveNode, Placement, room_pages
+from bootstrap.registry import Node, Registry
+from bootstrap.settings import BootstrapSettings
+from bootstrap.store import Attempt, RoomData, Store, StoreUnavailable
+from bootstrap.tasks import Tasks
+from shared.metrics import ServiceMetrics
+from shared.room.states import FailureReason, RoomState
+from shared.wire import protocol
+from shared.wire.zmq_io import PushSockets
+
+log = logging.getLogger(__name__)
+# A placed room no node has said a word about after this lost its assignments (a bootstrap
+# killed while they still sat in its ZMQ I/O thread): they are sent again. A node that has
+# the room drops the copy as a duplicate; a node reports a room within a fraction of this.
+UNHEARD_S = 2.0
+# Sent again this many times and still unheard: the attempt fails, and the room is placed again.
+MAX_RESENDS = 2
+
+
+class RoomLifecycle:
+    def __init__(
+        self,
+        settings: BootstrapSettings,
+        store: Store,
+        registry: Registry,
+        placement: Placement,
+        push: PushSockets,
+        tasks: Tasks,
+        metrics: ServiceMetrics,
+    ):
+        self._settings = settings
+        self._store = store
+        self._registry = registry
+        self._placement = placement
+        self._tasks = tasks
+        self._metrics = metrics
+        self._outbox = Outbox(push, self._lost)
+        self._in_flight = 0
+        metrics.gauge_function("kvroom_rooms_in_flight", "Rooms not ended", lambda: self._in_flight)
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    async def place(
+        self, input_ids: list[int], max_new_tokens: int, stop: list[str], stream: bool
+    ) -> RoomData:
+        """Place a new room and hand it to its nodes; NoLiveNode or NoCapacity if it cannot go anywhere."""
+        room_id = rooms.new_id()
+        prefill, decode = await self._placement.choose(room_id, len(input_ids), max_new_tokens, set())
+        room = RoomData(room_id, input_ids, max_new_tokens, stop, stream, time.time())
+        room.attempts = [Attempt(room_id, prefill.id, decode.id, placed_at=time.time())]
+        room.timestamps = {RoomState.BOOTSTRAPPING.name: room.created}
+        room.decode_pages = room_pages(decode, len(input_ids), max_new_tokens)
+        room.prefill_pages = room_pages(prefill, len(input_ids), max_new_tokens)
+        while not await self._store.create_room(room):  # an id another bootstrap just took
+            room.room = room.attempt.transfer = rooms.new_id()
+        await self._store.link_transfer(room.room, room.room)
+        self._metrics.transitioned(RoomState.BOOTSTRAPPING.name)
+        self._metrics.attempts.inc()
+        log.info(
+            "room=%d placed prefill=%s decode=%s tokens=%d",
+            room.room,
+            prefill.id,
+            decode.id,
+            len(input_ids),
+            extra={"room": room.room},
+        )
+        self._in_flight += 1
+        self._assign(room, prefill, decode)
+        # Answered only once the nodes' assignments left: a bootstrap killed after answering
+        # must not take a placed room's only copy with it.
+        await self._outbox.flushed()
+        return room
+
+    def _assign(self, room: RoomData, prefill: Node, decode: Node) -> None:
+        transfer, ids = room.attempt.transfer, room.input_ids
+        self._outbox.room(
+            prefill.leader, protocol.PrefillRoom(transfer, ids, decode.id, decode.peers), room.room
+        )
+        self._outbox.room(
+            decode.leader,
+            protocol.DecodeRoom(
+                transfer, len(ids), room.max_new_tokens, prefill.id, prefill.peers, room.stop, room.stream
+            ),
+            room.room,
+        )
+
+    def _lost(self, room_ids: list[int]) -> None:
+        """Rooms whose assignment could not be queued to one of their nodes."""
+        for room_id in dict.fromkeys(room_ids):
+            self._tasks.spawn(self.fail(room_id, FailureReason.PEER_LOST))
+
+    async def abort(self, room_id: int) -> bool:
+        return await self.fail(room_id, FailureReason.ABORTED, final=True)
+
+    async def fail_rooms_of(self, node_id: str) -> None:
+        """The node is lost: each of its rooms' attempts fails, and is placed again where it may be."""
+        for room_id in await self._store.rooms_on(node_id):
+            await self.fail(room_id, FailureReason.PEER_LOST, dead_node=node_id)
+
+    async def fail(
+        self, room_id: int, reason: str, dead_node: str | None = None, final: bool = False
+    ) -> bool:
+        """End the room's current attempt with ``reason``: place it again if it may be, else end it."""
+        retry = False
+        ended: Attempt | None = None
+
+        def change(room: RoomData) -> bool:
+            nonlocal retry, ended
+            if room.done:
+                return False
+            ended = room.attempt
+            retry = not final and rooms.replaceable(room, reason, self._settings.max_attempts)
+            if dead_node is not None and room.state == RoomState.SUCCESS:
+                room.partial = True  # its decode was lost mid-way
+            if retry:
+                rooms.fail_attempt(room, reason)
+                rooms.add_attempt(room, Attempt(0, "", ""))  # to be placed
+            else:
+                rooms.end(room, reason)
+            return True
+
+        room = await self._store.update_room(room_id, change)
+        if room is None or ended is None:
+            return False
+        for node_id in (ended.prefill, ended.decode):
+            if node_id and node_id != dead_node:
+                await self._abort_on(node_id, ended.transfer, reason, peer_gone=dead_node is not None)
+        await self._release(room, ended)
+        if retry:
+            # Other nodes than the failed attempt's when there are any: a node that just failed a
+            # room may be breaking, before its heartbeat says so.
+            exclude = {n for n in (ended.prefill, ended.decode) if n}
+            self._tasks.spawn(self._place_again(room, reason, exclude))
+        else:
+            self._count_end(room)
+        return True
+
+    async def _place_again(self, room: RoomData, reason: str, exclude: set[str]) -> None:
+        """Another placement for a room whose attempt failed for a reason that is not the request's."""
+        tokens = len(room.input_ids)
+        try:
+            prefill, decode = await self._placement.choose(room.room, tokens, room.max_new_tokens, exclude)
+        except (NoLiveNode, NoCapacity, StoreUnavailable) as exc:
+            log.warning("room=%d cannot be placed again: %s", room.room, exc, extra={"room": room.room})
+            ended = await self._store.update_room(room.room, lambda r: rooms.end(r, reason))
+            if ended is not None and ended.done:
+                self._count_end(ended)
+            return
+        transfer = rooms.new_id()
+        decode_pages = room_pages(decode, tokens, room.max_new_tokens)
+        prefill_pages = room_pages(prefill, tokens, room.max_new_tokens)
+
+        def change(r: RoomData) -> bool:
+            if r.done:
+                return False
+            r.attempt.transfer, r.attempt.prefill, r.attempt.decode = transfer, prefill.id, decode.id
+            r.attempt.placed_at = time.time()
+            r.decode_pages, r.prefill_pages = decode_pages, prefill_pages
+            return True
+
+        await self._store.link_transfer(transfer, room.room)
+        placed = await self._store.update_room(room.room, change)
+        if placed is None or placed.attempt.transfer != transfer:  # ended meanwhile (aborted)
+            await self._store.release(decode.id, decode_pages, room.room)
+            await self._store.release(prefill.id, prefill_pages, room.room)
+            return
+        log.info(
+            "room=%d attempt %d placed prefill=%s decode=%s",
+            room.room,
+            len(placed.attempts),
+            prefill.id,
+            decode.id,
+            extra={"room": room.room},
+        )
+        self._metrics.attempts.inc()
+        self._metrics.replacements.labels(reason).inc()
+        self._assign(placed, prefill, decode)
+
+    async def finished(self, room: RoomData) -> None:
+        """The room ended on its nodes' report: its pages go back, and its end is counted."""
+        await self._release(room, room.attempt)
+        self._count_end(room)
+
+    async def _release(self, room: RoomData, attempt: Attempt) -> None:
+        """The attempt's pages on both nodes are theirs again, by the bootstraps' account."""
+        if attempt.decode:
+            await self._store.release(attempt.decode, room.decode_pages, room.room)
+        if attempt.prefill:
+            await self._store.release(attempt.prefill, room.prefill_pages, room.room)
+        self._placement.freed()
+
+    async def _abort_on(self, node_id: str, transfer: int, reason: str, peer_gone: bool = False) -> None:
+        node = self._registry.known(node_id) or await self._registry.node(node_id)
+        if node is not None:
+            self._outbox.abort(
+                node.leader, protocol.AbortRoom(room=transfer, rank=0, reason=reason, peer_gone=peer_gone)
+            )
+
+    def _count_end(self, room: RoomData) -> None:
+        self._in_flight = max(0, self._in_flight - 1)
+        state = "FAILED" if room.outcome == "failed" or room.state == RoomState.FAILED else "SUCCESS"
+        self._metrics.room_seconds.labels(state).observe(time.time() - room.created)
+        self._metrics.transitioned(state)
+        if state == "FAILED":
+            self._metrics.failures.labels(room.reason or "unknown").inc()
+
+    async def sweep(self) -> None:
+        """End the rooms past their deadline; send again the assignments no node has heard of."""
+        now = time.time()
+        for room_id in await self._store.in_flight():
+            room = await self._store.room(room_id)
+            if room is None or room.done:
+                continue
+            if room.created < now - self._settings.room_deadline_s:
+                await self.fail(room_id, FailureReason.DEADLINE, final=True)
+            elif rooms.unheard(room, now, UNHEARD_S):
+                await self._unheard(room)
+
+    async def _unheard(self, room: RoomData) -> None:
+        """Send the room's assignments again, or fail its attempt once they were sent again enough."""
+        attempt = room.attempt
+        if attempt.resent >= MAX_RESENDS:
+            await self.fail(room.room, FailureReason.PEER_LOST)
+            return
+        prefill = await self._registry.node(attempt.prefill)
+        decode = await self._registry.node(attempt.decode)
+        if prefill is None or decode is None or prefill.data.dead or decode.data.dead:
+            return  # the dead node's rooms are failed or placed again where it is reaped
+        resend = False
+
+        def change(r: RoomData) -> bool:
+            # Decided in the store: a room aborted, reported on or placed again meanwhile is left be.
+            nonlocal resend
+            now = time.time()
+            resend = r.attempt.transfer == attempt.transfer and rooms.unheard(r, now, UNHEARD_S)
+            if resend:
+                r.attempt.placed_at, r.attempt.resent = now, r.attempt.resent + 1
+            return resend
+
+        updated = await self._store.update_room(room.room, change)
+        if updated is None or not resend:
+            return
+        log.warning(
+            "room=%d no node has reported on it: its assignments are sent again",
+            room.room,
+            extra={"room": room.room},
+        )
+        self._metrics.resent_assignments.inc()
+        self._assign(updated, prefill, decode)  # no await since the decision: nothing overtakes it
