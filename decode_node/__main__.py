@@ -1,13 +1,12 @@
 """python -m decode_node [--help]"""
 
-from decode_node.service import DecodeService
-from decode_node.settings import DecodeSettings
+from decode_node.role import DECODE
 from shared.cli import parse_settings
 from shared.node.runtime import run_node
 
 
 def main() -> None:
-    run_node("decode", parse_settings(DecodeSettings), DecodeService)
+    run_node(DECODE, parse_settings(DECODE.settings))
 
 
 if __name__ == "__main__":

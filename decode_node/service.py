@@ -11,11 +11,12 @@ Each waiting state has its own timeout and failure reason. A prefill rank whose
 done+aux goes out soon after the request sends no accept or start notice: the
 room passes through those states when its done+aux arrives.
 
-Ownership of pages: a prefill rank may write into the pages lent to it from the
-transfer request until it sends done+aux (its writes completed) or
+Ownership of pages (``shared.kv.lease``): each transfer request lends the room's
+pages to one prefill rank, until it sends done+aux (its writes completed) or
 RoomReleased (none of its writes can still move). Until then a failed room's
-pages stay fenced, however it failed, or until the lease times out. Aux slots
-are freed at once on any end: the aux never arrives by DMA.
+pages stay fenced, however it failed, or until the lease expires; the pool
+refuses to free a page under an open lease. Aux slots are freed at once on any
+end: the aux never arrives by DMA.
 """
 
 import asyncio
@@ -30,10 +31,10 @@ from decode_node.settings import DecodeSettings
 from shared.errors import PoolExhausted, RejectedMessage
 from shared.kv.aux_buffers import AUX_RECORD, AuxBuffers, record_digest
 from shared.kv.head_split import HeadRange, writers
+from shared.kv.lease import Lease
 from shared.metrics import ServiceMetrics
 from shared.models.source import Decoded
-from shared.node.agreement import Participant
-from shared.node.rank import NodeHooks, Rank, RankRoom, RankService
+from shared.node.rank import AgreementFactory, Rank, RankRoom, RankService, Reports
 from shared.room.gate import Expected, Invalid, Landed, Pending, Ready, rank_verdict
 from shared.room.record import Room
 from shared.room.states import FailureReason, RoomState
@@ -62,12 +63,16 @@ class DecodeJob(RankRoom):
         self.checking: set[int] = set()  # prefill ranks whose pages are being digested
         self.completed_at: dict[int, float] = {}
         self.aux_missing_since: float | None = None
-        self.leased: set[int] = set()  # prefill ranks that may still write into our pages
-        self.lease_deadline = 0.0
+        self.leases: dict[int, Lease] = {}  # prefill rank -> the pages lent to its writes
         self.requested_at = 0.0
         self.first_token = 0
         self.decoding = False
         self.abort_reason: str | None = None  # aborted while decoding: the output is dropped
+
+    @property
+    def lent(self) -> bool:
+        """Whether a prefill rank's write may still land in the room's pages."""
+        return any(lease.open for lease in self.leases.values())
 
 
 class DecodeService(RankService):
@@ -77,8 +82,15 @@ class DecodeService(RankService):
     # pages, and under load it would otherwise wait behind new rooms' messages.
     urgent = staticmethod(protocol.is_done_aux)
 
-    def __init__(self, rank: Rank, node: NodeHooks, agree: Participant, metrics: ServiceMetrics):
-        super().__init__(rank, node, agree, metrics)
+    def __init__(
+        self,
+        rank: Rank,
+        reports: Reports,
+        agreement: AgreementFactory,
+        metrics: ServiceMetrics,
+        loop: asyncio.AbstractEventLoop,
+    ):
+        super().__init__(rank, reports, agreement, metrics, loop)
         self.aux = AuxBuffers(self.settings.aux_slots)
         # Failed rooms whose pages are still lent out, until released or timed out.
         self.fenced: dict[int, DecodeJob] = {}
@@ -182,7 +194,7 @@ class DecodeService(RankService):
             )
             self.requests.add(job.prefill_ranks[prefill_rank], request)
             job.unaccepted.add(prefill_rank)
-            job.leased.add(prefill_rank)
+            job.leases[prefill_rank] = self.pool.lend(job.id, prefill_rank, kv_pages)
 
     def _send_requests(self, peer: protocol.PeerRank, requests: list[protocol.TransferRequest]) -> None:
         """A turn's transfer requests to one prefill rank: alone as they are, several in one message."""
@@ -239,7 +251,7 @@ class DecodeService(RankService):
         landed = None
         if record is not None and len(record) == AUX_RECORD.size:
             landed = self.aux.write(msg.aux_slot, record)
-        job.leased.discard(p)  # done is sent only once every write of that rank completed
+        job.leases[p].returned()  # done is sent only once every write of that rank completed
         job.completed_at[p] = msg.completed_at
         if not self.settings.verify_kv:
             self._landed(job, p, Landed(landed, msg.pages_written, True))
@@ -350,10 +362,11 @@ class DecodeService(RankService):
     def _on_released(self, msg: protocol.RoomReleased, sender: str | None) -> None:
         self.check_rank(msg.rank, msg.room)
         job = self.fenced.get(msg.room) or self.rooms.live.get(msg.room)
-        if not isinstance(job, DecodeJob) or msg.prefill_rank not in job.leased:
+        lease = job.leases.get(msg.prefill_rank) if isinstance(job, DecodeJob) else None
+        if job is None or lease is None or not lease.open:
             raise RejectedMessage("release for a room holding no lease", room=msg.room, kind="unknown_room")
         self.check_sender(sender, job.prefill_ranks[msg.prefill_rank], msg.room)
-        job.leased.discard(msg.prefill_rank)
+        lease.returned()
         if msg.reason and not job.state.terminal:
             # The prefill gave the room up: it cannot succeed any more.
             self.set_local(job, RoomState.FAILED, msg.reason)
@@ -369,7 +382,8 @@ class DecodeService(RankService):
             return
         assert isinstance(job, DecodeJob)
         if msg.peer_gone:
-            job.leased.clear()  # the prefill node is gone: nothing more is written
+            for lease in job.leases.values():
+                lease.revoke()  # the prefill node is gone: nothing more is written
         if job.state is RoomState.SUCCESS:
             # Ended now, and said so: a node that drains exits without waiting for the decode.
             # Every rank still decodes to the end (their collectives pair up); the output is dropped.
@@ -430,7 +444,7 @@ class DecodeService(RankService):
 
         def on_token(token: int) -> None:
             nonlocal offset
-            self.loop.call_soon_threadsafe(self.node.tokens, job.id, offset, [token])
+            self.loop.call_soon_threadsafe(self.reports.tokens, job.id, offset, [token])
             offset += 1
 
         return on_token
@@ -467,13 +481,14 @@ class DecodeService(RankService):
     def _failed(self, job: DecodeJob, reason: str) -> None:
         if not job.fail(reason):
             return
-        # Tell prefill ranks that still hold our pages to stop; they answer with a release. The
-        # requests of this turn go first: an abort must not overtake the request it cancels.
+        # Ask prefill ranks that still hold our pages for them back; they answer with a release.
+        # The requests of this turn go first: a revocation must not overtake the request it cancels.
         self.requests.flush()
-        for prefill_rank in job.leased:
-            abort = protocol.AbortRoom(room=job.id, rank=prefill_rank, reason=str(reason))
-            self.rank.send(job.prefill_ranks[prefill_rank], abort)
-        job.lease_deadline = time.monotonic() + self.settings.lease_timeout_s
+        for prefill_rank, lease in job.leases.items():
+            if lease.open:
+                revoke = protocol.RevokeLease(room=job.id, rank=prefill_rank, reason=str(reason))
+                self.rank.send(job.prefill_ranks[prefill_rank], revoke)
+                lease.ask_back(self.settings.lease_timeout_s)
         self._release(job)
 
     # -- release --------------------------------------------------------------------
@@ -488,7 +503,7 @@ class DecodeService(RankService):
         self._free_slots(job)
         if job.decoding or not job.pages:
             return
-        if job.leased:
+        if job.lent:
             self.fenced[job.id] = job
             return
         self.fenced.pop(job.id, None)
@@ -518,14 +533,14 @@ class DecodeService(RankService):
             if reason is not None:
                 self.set_local(job, RoomState.FAILED, reason)
         for job in list(self.fenced.values()):
-            if job.lease_deadline < now:
+            expired = [rank for rank, lease in job.leases.items() if lease.expire_if_due(now)]
+            if expired:
                 log.warning(
                     "room=%d lease expired with no answer from prefill ranks %s",
                     job.id,
-                    sorted(job.leased),
+                    expired,
                     extra={"room": job.id},
                 )
-                job.leased.clear()
                 self._release(job)
 
     async def background(self) -> None:

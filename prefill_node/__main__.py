@@ -1,13 +1,12 @@
 """python -m prefill_node [--help]"""
 
-from prefill_node.service import PrefillService
-from prefill_node.settings import PrefillSettings
+from prefill_node.role import PREFILL
 from shared.cli import parse_settings
 from shared.node.runtime import run_node
 
 
 def main() -> None:
-    run_node("prefill", parse_settings(PrefillSettings), PrefillService)
+    run_node(PREFILL, parse_settings(PREFILL.settings))
 
 
 if __name__ == "__main__":

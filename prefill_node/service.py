@@ -32,8 +32,7 @@ from shared.kv.aux_buffers import Aux
 from shared.kv.head_split import HeadRange, kv_heads, writers
 from shared.kv.layout import plan_writes
 from shared.metrics import ServiceMetrics
-from shared.node.agreement import Participant
-from shared.node.rank import NodeHooks, Rank, RankRoom, RankService
+from shared.node.rank import AgreementFactory, Rank, RankRoom, RankService, Reports
 from shared.room.record import Room
 from shared.room.states import FailureReason, RoomState
 from shared.wire import protocol
@@ -67,8 +66,15 @@ class PrefillService(RankService):
     # The room's visible progress is the decode's; the prefill reports how it ended.
     reported_states = frozenset({RoomState.SUCCESS, RoomState.FAILED})
 
-    def __init__(self, rank: Rank, node: NodeHooks, agree: Participant, metrics: ServiceMetrics):
-        super().__init__(rank, node, agree, metrics)
+    def __init__(
+        self,
+        rank: Rank,
+        reports: Reports,
+        agreement: AgreementFactory,
+        metrics: ServiceMetrics,
+        loop: asyncio.AbstractEventLoop,
+    ):
+        super().__init__(rank, reports, agreement, metrics, loop)
         s = self.settings
         # Transfer requests whose room has not reached us yet: room -> [(request, sender, deadline)].
         self.early: dict[int, list[tuple[protocol.TransferRequest, str | None, float]]] = {}
@@ -109,7 +115,7 @@ class PrefillService(RankService):
         if isinstance(msg, protocol.PrefillRoom):
             self._on_room(msg)
         elif isinstance(msg, protocol.AbortRoom):
-            self._on_abort(msg, None)
+            self._on_abort(msg)
         else:
             raise RejectedMessage(f"a prefill node does not take {type(msg).__name__}", kind="unexpected")
 
@@ -118,8 +124,8 @@ class PrefillService(RankService):
             self._on_request(msg, sender)
         elif isinstance(msg, protocol.TransferRequests):
             self.take_each(msg.requests, lambda req: self._on_request(req, sender))
-        elif isinstance(msg, protocol.AbortRoom):
-            self._on_abort(msg, sender)
+        elif isinstance(msg, protocol.RevokeLease):
+            self._on_revoke(msg, sender)
         else:
             raise RejectedMessage(f"a prefill rank does not take {type(msg).__name__}", kind="unexpected")
 
@@ -248,30 +254,36 @@ class PrefillService(RankService):
         if len(set(req.page_indices)) != len(req.page_indices):
             raise reject("repeated page index", "out_of_range")
 
-    def _on_abort(self, msg: protocol.AbortRoom, sender: str | None) -> None:
-        """From the bootstrap (``sender`` None: the leader handed it on) or a decode rank of the room."""
-        if sender is None:
-            self.early.pop(msg.room, None)
+    def _on_abort(self, msg: protocol.AbortRoom) -> None:
+        """From the bootstrap (its leader handed it on)."""
+        self.early.pop(msg.room, None)
         job = self.rooms.find(msg.room)
         if not isinstance(job, PrefillJob):  # never seen here, or ended before it came
-            if sender is not None:
-                raise RejectedMessage("abort for a room not known here", room=msg.room, kind="unknown_room")
             if job is None:
                 self.rooms.ended_unseen(msg.room, msg.reason)
             return
-        if sender is not None:
-            self.check_rank(msg.rank, msg.room)
-            peers = [p for p in job.decode_ranks.values() if p.public_key == sender]
-            if not peers:
-                raise RejectedMessage(
-                    "abort from a key that is not the room's", room=job.id, kind="unauthorized"
-                )
-            if job.state.terminal and peers[0].rank in job.written:
-                # Already done writing: say so, so the decode can stop fencing its pages.
-                self._release_to(job, peers[0].rank)
-                return
+        self._stop(job, msg.reason)
+
+    def _on_revoke(self, msg: protocol.RevokeLease, sender: str | None) -> None:
+        """A decode rank of the room wants the pages it lent back: the room failed there."""
+        job = self.rooms.find(msg.room)
+        if not isinstance(job, PrefillJob):  # never seen here, or ended before it came
+            raise RejectedMessage("revocation for a room not known here", room=msg.room, kind="unknown_room")
+        self.check_rank(msg.rank, msg.room)
+        peers = [p for p in job.decode_ranks.values() if p.public_key == sender]
+        if not peers:
+            raise RejectedMessage(
+                "revocation from a key that is not the room's", room=job.id, kind="unauthorized"
+            )
+        if job.state.terminal and peers[0].rank in job.written:
+            # Already done writing: say so, so the decode can stop fencing its pages.
+            self._release_to(job, peers[0].rank)
+            return
+        self._stop(job, msg.reason)
+
+    def _stop(self, job: PrefillJob, reason: str) -> None:
         self.worker.cancel(job.id)
-        self.set_local(job, RoomState.FAILED, msg.reason)
+        self.set_local(job, RoomState.FAILED, reason)
         if job.state.terminal:
             self._settle(job)
 

@@ -76,6 +76,10 @@ class PoolExhausted(KvroomError):
     pass
 
 
+class PagesStillLent(KvroomError):
+    """Pages freed while a lease on them is open: a bug, never an input's fault."""
+
+
 class TransferError(KvroomError):
     pass
 

@@ -7,8 +7,9 @@ import random
 
 import torch
 
-from shared.errors import PoolExhausted
+from shared.errors import PagesStillLent, PoolExhausted
 from shared.kv.layout import KVLayout
+from shared.kv.lease import Lease
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ class KVPool:
         self._free: collections.deque[int] = collections.deque(order)
         self._scatter = scatter
         self._used: set[int] = set()
+        self._lent: collections.Counter[int] = collections.Counter()  # page -> open leases on it
 
     @property
     def base_ptr(self) -> int:
@@ -78,10 +80,27 @@ class KVPool:
         self._used.update(pages)
         return pages
 
+    def lend(self, transfer: int, peer_rank: int, pages: list[int]) -> Lease:
+        """Lend pages in use to a peer rank's writes: they cannot be freed while the lease is open."""
+        lease = Lease(transfer, peer_rank, tuple(pages), self._lease_closed)
+        self._lent.update(lease.pages)
+        return lease
+
+    def _lease_closed(self, lease: Lease) -> None:
+        self._lent.subtract(lease.pages)
+        for page in lease.pages:
+            if self._lent[page] <= 0:
+                del self._lent[page]
+
+    def lent(self, page: int) -> bool:
+        return page in self._lent
+
     def free(self, pages: list[int]) -> None:
         for page in pages:
             if page not in self._used:
                 raise ValueError(f"page {page} freed but not in use")
+            if page in self._lent:
+                raise PagesStillLent(f"page {page} freed while a peer's write may still land in it")
         self._used.difference_update(pages)
         if self._scatter:
             self._free.extend(pages)

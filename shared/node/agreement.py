@@ -40,14 +40,11 @@ OnAgreed = Callable[[int, RoomState, str | None], None]
 _REMEMBER = 8192
 
 
-def _ignore(room: int, state: RoomState, reason: str | None) -> None:
-    pass
-
-
 class Participant(abc.ABC):
-    """A rank's side of the agreement."""
+    """A rank's side of the agreement; it tells ``on_agreed`` (the rank's service) each agreed change."""
 
-    on_agreed: OnAgreed = _ignore  # set by the rank's service
+    def __init__(self, on_agreed: OnAgreed):
+        self.on_agreed = on_agreed
 
     @abc.abstractmethod
     def local(self, room: int, state: RoomState, reason: str | None = None, digest: int = 0) -> None:
@@ -114,7 +111,8 @@ class Leader:
 class _Batched(Participant):
     """Gathers a turn's local changes and hands them on once, at the end of the turn."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, rank: int):
+    def __init__(self, loop: asyncio.AbstractEventLoop, rank: int, on_agreed: OnAgreed):
+        super().__init__(on_agreed)
         self._loop = loop
         self._rank = rank
         self._pending: dict[int, protocol.RankState] = {}
@@ -137,23 +135,44 @@ class _Batched(Participant):
 
 
 class LeaderParticipant(_Batched):
-    """Rank 0 of an ``ipc`` node: its changes go straight into the leader in its own process."""
+    """Rank 0 of an ``ipc`` node: it holds the ``Leader``, takes its own changes straight in and the
+    other ranks' by ``contribute``, and hands each agreed change to every rank in one order: the
+    others by ``broadcast`` (the node's ipc link), itself at once."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, leader: Leader):
-        super().__init__(loop, 0)
-        self.leader = leader
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        world: int,
+        broadcast: Callable[[protocol.Message], None],
+        on_agreed: OnAgreed,
+    ):
+        super().__init__(loop, 0, on_agreed)
+        self._broadcast = broadcast
+        self.leader = Leader(world, self._deliver)
 
     def send(self, states: list[protocol.RankState]) -> None:
         self.leader.contribute(0, states)
+
+    def contribute(self, rank: int, states: list[protocol.RankState]) -> None:
+        """Another rank's changes, from the ipc link."""
+        self.leader.contribute(rank, states)
+
+    def _deliver(self, changes: list[protocol.RankState]) -> None:
+        self._broadcast(protocol.RankAgreed(changes))
+        self.agreed(changes)
 
 
 class FollowerParticipant(_Batched):
     """Rank r > 0 of an ``ipc`` node: its changes go to the leader over the node's ipc link."""
 
     def __init__(
-        self, loop: asyncio.AbstractEventLoop, rank: int, to_leader: Callable[[protocol.Message], None]
+        self,
+        loop: asyncio.AbstractEventLoop,
+        rank: int,
+        to_leader: Callable[[protocol.Message], None],
+        on_agreed: OnAgreed,
     ):
-        super().__init__(loop, rank)
+        super().__init__(loop, rank, on_agreed)
         self._to_leader = to_leader
 
     def send(self, states: list[protocol.RankState]) -> None:
@@ -177,7 +196,10 @@ class GlooParticipant(Participant):
     next is decided from the gathered data, the same on all ranks.
     """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, rank: int, world: int, group: object):
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, rank: int, world: int, group: object, on_agreed: OnAgreed
+    ):
+        super().__init__(on_agreed)
         self._loop = loop
         self._rank = rank
         self._world = world

@@ -18,8 +18,8 @@ import zmq
 from shared.cli import VERSION
 from shared.node import agreement
 from shared.node.membership import Membership, Standing
-from shared.node.rank import Rank, RankService
-from shared.room.record import Room
+from shared.node.rank import ASSIGNMENTS, RankService, assignments_in, refuse_assignment
+from shared.node.reports import BootstrapLink
 from shared.room.states import FailureReason
 from shared.wire import protocol
 from shared.wire.registration import Heartbeat, NodeRegistration, RankInfo, RankStatus
@@ -64,26 +64,42 @@ class RankLinks:
 class NodeLeader:
     """The node as one: what rank 0's service reports through, and what the bootstrap talks to."""
 
-    def __init__(self, role: str, node_id: str, rank: Rank, world: int, links: RankLinks | None):
+    def __init__(
+        self,
+        role: str,
+        node_id: str,
+        service: RankService,
+        link: BootstrapLink,
+        world: int,
+        links: RankLinks | None,
+        pids: dict[int, int | None],
+    ):
         self.role = role
         self.node_id = node_id
-        self.rank = rank
+        self.service = service
+        self.rank = rank = service.rank
+        self.link = link
         self.world = world
         self.links = links
-        self.service: RankService  # set once built: it needs this object first
-        self.membership: Membership  # likewise
-        self.agreement: agreement.Leader | None = None  # ipc agreement, world > 1
         self.ranks: dict[int, RankInfo] = {0: rank.info()}
         self.health_of: dict[int, protocol.RankHealth] = {}
         self.alive: dict[int, bool] = {r: r == 0 for r in range(world)}
-        self.pids: dict[int, int | None] = {0: os.getpid()}
+        self.pids = {0: os.getpid(), **pids}
         self.broken: str | None = None
         self.draining = False
 
-    # -- what rank 0's service tells the node (NodeHooks) ------------------------------
+    # -- the bootstrap's assignments ------------------------------------------------------
 
-    def is_bootstrap(self, sender: str | None) -> bool:
-        return self.membership.is_bootstrap(sender)
+    def on_message(self, msg: protocol.Message, aux: memoryview | None, sender: str | None) -> None:
+        """Everything that reaches rank 0's network socket: the bootstrap's assignments and aborts
+        go to every rank; the rest is the service's."""
+        from_bootstrap = self.link.is_bootstrap(sender)
+        if isinstance(msg, ASSIGNMENTS) or (isinstance(msg, protocol.AbortRoom) and from_bootstrap):
+            if not from_bootstrap:
+                refuse_assignment(msg, sender)
+            self.service.take_each(assignments_in(msg), self.assign)
+        else:
+            self.service.on_message(msg, aux, sender)
 
     def assign(self, msg: protocol.PrefillRoom | protocol.DecodeRoom | protocol.AbortRoom) -> None:
         """Give every rank the same assignment, in the order they came: the order of their collectives.
@@ -95,7 +111,7 @@ class NodeLeader:
         if self.draining and not isinstance(msg, protocol.AbortRoom) and rooms.find(msg.room) is None:
             log.info("room=%d refused: the node drains", msg.room, extra={"room": msg.room})
             self.service.metrics.failures.labels(FailureReason.DRAINING).inc()
-            self.report(rooms.ended_unseen(msg.room, FailureReason.DRAINING))
+            self.link.report(rooms.ended_unseen(msg.room, FailureReason.DRAINING))
             return
         if self.links is not None:
             self.links.broadcast(msg)
@@ -103,28 +119,12 @@ class NodeLeader:
         if self.broken is not None and not isinstance(msg, protocol.AbortRoom):
             self.assign(protocol.AbortRoom(room=msg.room, rank=0, reason=FailureReason.PEER_LOST))
 
-    def report(self, room: Room) -> None:
-        self.membership.report(room)
-
-    def tokens(self, room: int, offset: int, tokens: list[int]) -> None:
-        self.membership.tokens(room, offset, tokens)
-
-    # -- agreement ----------------------------------------------------------------------
-
-    def deliver(self, changes: list[protocol.RankState]) -> None:
-        """Agreed changes, to every rank in one order: rank 0 at once, the others by ipc."""
-        if self.links is not None:
-            self.links.broadcast(protocol.RankAgreed(changes))
-        participant = self.service.agree
-        if isinstance(participant, agreement.LeaderParticipant):
-            participant.agreed(changes)
-
     # -- the other ranks -----------------------------------------------------------------
 
     def on_rank_message(self, msg: protocol.Message, aux: memoryview | None, sender: str | None) -> None:
         if isinstance(msg, protocol.RankStates):
-            if self.agreement is not None:
-                self.agreement.contribute(msg.rank, msg.states)
+            if isinstance(self.service.agree, agreement.LeaderParticipant):
+                self.service.agree.contribute(msg.rank, msg.states)
         elif isinstance(msg, protocol.RankHealth):
             self.health_of[msg.rank] = msg
         elif isinstance(msg, protocol.RankReady):
@@ -158,7 +158,6 @@ class NodeLeader:
             log.error("%s: the node is broken; failing its rooms", self.broken)
         for room in list(self.service.rooms.live):
             self.assign(protocol.AbortRoom(room=room, rank=0, reason=FailureReason.PEER_LOST))
-        self.membership.beat_now()  # the bootstrap stops placing rooms here now, not at the next beat
 
     # -- what the node says about itself ---------------------------------------------------
 
@@ -201,28 +200,27 @@ class NodeLeader:
             ],
         )
 
-    @property
-    def problem(self) -> str | None:
+    def problem(self, membership: Membership) -> str | None:
         """Why the node cannot take rooms now, or None."""
         if self.broken is not None:
             return self.broken
         if self.draining:
             return "draining"
-        if self.membership.standing is not Standing.REGISTERED:
-            return self.membership.problem
+        if membership.standing is not Standing.REGISTERED:
+            return membership.problem
         return None
 
-    def health(self) -> dict[str, Any]:
+    def health(self, membership: Membership) -> dict[str, Any]:
         healths = self._rank_health()
-        problem = self.problem
+        problem = self.problem(membership)
         return {
             "status": "ok" if problem is None else "unavailable",
             "problem": problem,
             "node_id": self.node_id,
             "role": self.role,
             "version": VERSION,
-            "registered": self.membership.registered.is_set(),
-            "standing": self.membership.standing.value,
+            "registered": membership.registered.is_set(),
+            "standing": membership.standing.value,
             "zmq_security": "curve" if self.rank.security.keys else "plain",
             "tp_size": self.world,
             "rooms_in_flight": len(self.service.rooms.live),

@@ -1,12 +1,12 @@
-"""The node as the bootstrap knows it: registration, heartbeats, reports, leaving.
+"""The node as the bootstrap knows it: registration, heartbeats, leaving.
 
 Registration and heartbeats go over HTTP with the join secret (``Authorization:
-Bearer``); reports and streamed tokens go over ZMQ, CURVE-authenticated, to
-the report endpoint the bootstrap named. A refused registration (409) is retried
-with a growing pause; an unreachable bootstrap gets heartbeats until it answers
-(a restarted one that kept its store knows the node); one that forgot the node
-(404) gets a new registration; a bootstrap that restarted (its id changed) gets every room the
-node still knows reported again.
+Bearer``); what the bootstrap answers says where reports go (``BootstrapLink``).
+A refused registration (409) is retried with a growing pause; an unreachable
+bootstrap gets heartbeats until it answers (a restarted one that kept its store
+knows the node); one that forgot the node (404) gets a new registration; a
+bootstrap that restarted (its id changed) gets every room the node still knows
+reported again.
 """
 
 import asyncio
@@ -19,27 +19,16 @@ from typing import Any
 import httpx
 
 from shared.errors import RegistrationError
+from shared.node.reports import BootstrapLink
 from shared.node.settings import NodeSettings
 from shared.room.record import Room
-from shared.wire import protocol
 from shared.wire.registration import Heartbeat, NodeRegistration, Registered
 from shared.wire.security import load_public_key
 
 log = logging.getLogger(__name__)
 
-# How long room state changes are gathered before they go to the bootstrap in one
-# message: briefly for a room that ended, longer for progress, which no one waits on
-# and which would otherwise wake the bootstrap in the middle of most KV writes. A room
-# that finished (what a client waits for) goes at the end of the loop's turn, unless a
-# message went less than REPORT_DELAY_S ago: then once that much has passed. A lone room
-# waits for nothing; under load one message still carries many rooms.
-REPORT_DELAY_S = 0.002
-PROGRESS_REPORT_DELAY_S = 0.05
-TOKEN_DELAY_S = 0.002
 MAX_RETRY_S = 30.0
 REFUSED = (401, 403, 409, 422)  # the bootstrap said no, as opposed to not answering
-
-Send = Callable[[str, str, list[bytes]], bool]  # endpoint, its CURVE key, frames
 
 
 class Standing(enum.StrEnum):
@@ -55,17 +44,17 @@ class Membership:
         self,
         settings: NodeSettings,
         node_id: str,
+        link: BootstrapLink,
         registration: Callable[[], NodeRegistration],
         heartbeat: Callable[[], Heartbeat],
-        send: Send,
         known_rooms: Callable[[], list[Room]],
         orphaned: Callable[[list[int]], None],
     ):
         self.settings = settings
         self.node_id = node_id
+        self.link = link
         self._registration = registration
         self._heartbeat = heartbeat
-        self._send = send
         self._known_rooms = known_rooms
         self._orphaned = orphaned
         self.standing = Standing.STARTING
@@ -74,85 +63,11 @@ class Membership:
         self._pinned = (
             load_public_key(settings.bootstrap_public_key) if settings.bootstrap_public_key else None
         )
-        self.bootstrap_keys: frozenset[str] = frozenset()
-        self._report_to: tuple[str, str, str] | None = None  # (bootstrap id, endpoint, key)
         self._epoch: str | None = None
         token = settings.resolved_join_token()
         self.auth = {"Authorization": f"Bearer {token}"} if token else {}
         self._json = {**self.auth, "content-type": "application/json"}
-        self._pending_reports: dict[int, Room] = {}
-        self._report_due = float("inf")  # loop time of the next flush; inf when none is set
-        self._flushed_at = float("-inf")  # loop time of the last flush
-        self._report_timer: asyncio.Handle | None = None
-        self._pending_tokens: list[protocol.TokenChunk] = []
-        self.loop: asyncio.AbstractEventLoop | None = None
         self._beat_now = asyncio.Event()
-
-    def is_bootstrap(self, sender: str | None) -> bool:
-        """Whether ``sender`` is a bootstrap of our cluster (anyone, with security off)."""
-        return sender is None or sender in self.bootstrap_keys
-
-    # -- reports ----------------------------------------------------------------------
-
-    def report(self, room: Room) -> None:
-        """Tell the bootstrap where the room stands on this node.
-
-        Changes are gathered for a moment and sent as one message, the latest
-        state of each room with the time it entered every state: under load
-        the bootstrap handles a few messages instead of one per transition.
-        """
-        assert self.loop is not None
-        self._pending_reports[room.id] = room
-        now = self.loop.time()
-        if room.finished:
-            due = max(now, self._flushed_at + REPORT_DELAY_S)
-        else:
-            due = now + (REPORT_DELAY_S if room.state.terminal else PROGRESS_REPORT_DELAY_S)
-        self._schedule(due)
-
-    def tokens(self, room: int, offset: int, tokens: list[int]) -> None:
-        assert self.loop is not None
-        self._pending_tokens.append(protocol.TokenChunk(room, offset, tokens))
-        self._schedule(self.loop.time() + TOKEN_DELAY_S)
-
-    def _schedule(self, due: float) -> None:
-        assert self.loop is not None
-        if self._report_due <= due:
-            return
-        if self._report_timer is not None:
-            self._report_timer.cancel()
-        self._report_due = due
-        self._report_timer = self.loop.call_at(due, self.flush)
-
-    def flush(self) -> None:
-        assert self.loop is not None
-        self._report_due = float("inf")
-        self._report_timer = None
-        self._flushed_at = self.loop.time()
-        if self._report_to is None:
-            return  # kept until we know where reports go
-        _, endpoint, key = self._report_to
-        chunks, self._pending_tokens = self._pending_tokens, []
-        for start in range(0, len(chunks), protocol.MAX_REPORTS):
-            msg = protocol.RoomTokens(self.node_id, chunks[start : start + protocol.MAX_REPORTS])
-            self._send(endpoint, key, protocol.encode(msg))
-        rooms = list(self._pending_reports.values())
-        self._pending_reports.clear()
-        for start in range(0, len(rooms), protocol.MAX_REPORTS):
-            statuses = [
-                protocol.RoomStatus(
-                    room=room.id,
-                    state=int(room.state),
-                    reason=room.reason,
-                    timestamps=room.timestamps,
-                    output_ids=room.output_ids,
-                    timings=room.timings,
-                    outcome=room.outcome,
-                    finish_reason=room.finish_reason,
-                )
-                for room in rooms[start : start + protocol.MAX_REPORTS]
-            ]
-            self._send(endpoint, key, protocol.encode(protocol.RoomReports(self.node_id, statuses)))
 
     # -- the bootstrap ----------------------------------------------------------------
 
@@ -170,18 +85,17 @@ class Membership:
             raise RegistrationError(
                 f"the bootstrap's keys {sorted(keys)} do not include the pinned one", refused=True
             )
-        self.bootstrap_keys = frozenset({self._pinned}) if self._pinned else keys
-        moved = self._report_to is not None and self._report_to[0] not in live
-        if self._report_to is None or moved:
-            target = registered.bootstraps[0]
-            self._report_to = (target.id, target.report_endpoint, target.public_key)
+        self.link.trust(frozenset({self._pinned}) if self._pinned else keys)
+        moved = self.link.reporting_to is not None and self.link.reporting_to not in live
+        if self.link.reporting_to is None or moved:
+            self.link.report_to(registered.bootstraps[0])
         lost = self._epoch is not None and registered.epoch != self._epoch
         self._epoch = registered.epoch
         if moved or lost:
             rooms = self._known_rooms()
             log.warning("reports may have been lost; reporting %d rooms again", len(rooms))
             for room in rooms:
-                self.report(room)
+                self.link.report(room)
         if registered.unknown_rooms:
             log.warning(
                 "the cluster does not hold %d rooms of this node: ending them", len(registered.unknown_rooms)
@@ -207,7 +121,6 @@ class Membership:
         A draining node goes on beating, or the bootstrap would take it for dead while its last
         rooms run; it does not register again.
         """
-        self.loop = asyncio.get_running_loop()
         s = self.settings
         retry = s.register_retry_s
         async with httpx.AsyncClient(base_url=s.bootstrap_url, timeout=5.0) as client:

@@ -5,10 +5,14 @@ share of the KV heads, its ZMQ identity and sockets, and a model worker. Its
 rooms' states are the states the node's ranks agreed on (``shared.node.agreement``):
 what the rank alone has reached is ``RankRoom.local``.
 
-Room assignments and the bootstrap's aborts reach rank 0 only; rank 0 checks
-they come from the bootstrap and hands them to the node (``NodeHooks.assign``),
-whose leader gives them to every rank in one order. Everything about a room
-comes from the room's peer ranks, and is taken only from their keys.
+Room assignments and the bootstrap's aborts reach rank 0 only; its leader
+checks they come from the bootstrap and gives them to every rank in one order
+(``shared.node.leader``). Everything else about a room comes from the room's
+peer ranks, and is taken only from their keys.
+
+Everything a rank uses is handed to it (``shared.node.builder`` assembles a
+node): its engine, pool, model source, event loop, where its reports go and how
+it reaches its peers, so a rank can also live inside another program.
 """
 
 import abc
@@ -24,10 +28,10 @@ import zmq
 from shared.errors import RejectedMessage
 from shared.kv.digest import Digester
 from shared.kv.pool import KVPool
-from shared.kv.transfer import MooncakeEngine, TransferEngine
+from shared.kv.transfer import TransferEngine
 from shared.metrics import ServiceMetrics
 from shared.models.source import KVSource
-from shared.node.agreement import Participant
+from shared.node.agreement import OnAgreed, Participant
 from shared.node.settings import NodeSettings
 from shared.room.record import Room, RoomTable
 from shared.room.states import RoomState
@@ -38,13 +42,29 @@ from shared.wire.zmq_io import PushSockets, bind_pull
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-Item = TypeVar(
-    "Item", protocol.PrefillRoom | protocol.DecodeRoom | protocol.AbortRoom, protocol.TransferRequest
-)
+Assignment = protocol.PrefillRoom | protocol.DecodeRoom | protocol.AbortRoom
+Item = TypeVar("Item", Assignment, protocol.TransferRequest)
+
+
+class Peers(Protocol):
+    """How a rank reaches its peer ranks: one message, with its aux bytes; False if it could not go."""
+
+    def send(self, peer: protocol.PeerRank, msg: protocol.Message, aux: bytes | None = None) -> bool: ...
+
+
+class PeerSockets:
+    """Peers over CURVE-secured ZMQ push sockets."""
+
+    def __init__(self, push: PushSockets):
+        self._push = push
+
+    def send(self, peer: protocol.PeerRank, msg: protocol.Message, aux: bytes | None = None) -> bool:
+        return self._push.send(peer.zmq_endpoint, peer.public_key, protocol.encode(msg, aux))
 
 
 class Rank:
-    """What one rank owns: its transfer engine, KV pool, ZMQ identity and sockets."""
+    """What one rank owns: its transfer engine, KV pool (registered with the engine), ZMQ identity
+    and sockets. ``peers`` replaces the sockets to peer ranks (a test records what is sent)."""
 
     def __init__(
         self,
@@ -52,26 +72,21 @@ class Rank:
         index: int,
         source: KVSource,
         security: Security,
-        engine: TransferEngine | None = None,
+        engine: TransferEngine,
+        pool: KVPool,
+        peers: Peers | None = None,
     ):
         self.index = index
         self.settings = settings
         self.source = source
         self.security = security
-        self.layout = source.kv_layout(settings.page_size)
-        self.engine = engine or MooncakeEngine(
-            settings.engine_host or settings.public_host,
-            settings.transport,
-            settings.rdma_devices,
-            advertise_host=settings.public_host,
-        )
-        self.pool = KVPool(
-            self.layout, settings.num_pages, settings.rank_device(index), scatter=settings.scatter_pages
-        )
-        self.engine.register(self.pool.base_ptr, self.pool.nbytes)
+        self.layout = pool.layout
+        self.engine = engine
+        self.pool = pool
         self.zmq = zmq.Context()
         self._zap = ZapHandler(self.zmq) if security.keys else None
         self.push = PushSockets(self.zmq, security)
+        self.peers = peers or PeerSockets(self.push)
 
     def info(self) -> RankInfo:
         heads = self.source.kv_heads
@@ -88,7 +103,7 @@ class Rank:
         return bind_pull(self.zmq, self.settings.bind_zmq_endpoint(self.index), self.security)
 
     def send(self, peer: protocol.PeerRank, msg: protocol.Message, aux: bytes | None = None) -> bool:
-        return self.push.send(peer.zmq_endpoint, peer.public_key, protocol.encode(msg, aux))
+        return self.peers.send(peer, msg, aux)
 
     def close(self) -> None:
         self.push.close()
@@ -98,16 +113,45 @@ class Rank:
         self.engine.close()
 
 
-class NodeHooks(Protocol):
-    """What a rank's logic tells its node; on ranks other than 0 these do nothing."""
-
-    def is_bootstrap(self, sender: str | None) -> bool: ...
-
-    def assign(self, msg: protocol.PrefillRoom | protocol.DecodeRoom | protocol.AbortRoom) -> None: ...
+class Reports(Protocol):
+    """What a rank's logic tells the bootstrap: rank 0's go out (``shared.node.reports``), the other
+    ranks' nowhere."""
 
     def report(self, room: Room) -> None: ...
 
     def tokens(self, room: int, offset: int, tokens: list[int]) -> None: ...
+
+
+class NoReports:
+    """A rank other than 0: the node speaks through rank 0."""
+
+    def report(self, room: Room) -> None:
+        pass
+
+    def tokens(self, room: int, offset: int, tokens: list[int]) -> None:
+        pass
+
+
+AgreementFactory = Callable[[OnAgreed], Participant]
+"""Makes a rank's agreement participant around the service's ``on_agreed``."""
+
+ASSIGNMENTS = (protocol.Assignments, protocol.PrefillRoom, protocol.DecodeRoom)
+
+
+def assignments_in(msg: protocol.Assignments | Assignment) -> list[Assignment]:
+    if isinstance(msg, protocol.Assignments):
+        return [*msg.prefill_rooms, *msg.decode_rooms, *msg.aborts]
+    return [msg]
+
+
+def refuse_assignment(msg: protocol.Assignments | Assignment, sender: str | None) -> None:
+    """An assignment from anyone but the bootstrap is dropped and counted."""
+    batch = assignments_in(msg)
+    raise RejectedMessage(
+        f"{type(msg).__name__} from {sender or 'an unknown sender'}, not the bootstrap",
+        room=batch[0].room if batch else None,
+        kind="unauthorized",
+    )
 
 
 class RankRoom(Room):
@@ -139,22 +183,28 @@ class RankService(abc.ABC):
     """A rank's room logic; the prefill and decode services fill in the rest."""
 
     role: str
-    loop: asyncio.AbstractEventLoop
     # Messages handled ahead of others waiting with them on the socket; None: arrival order.
     urgent: Callable[[list[Any]], bool] | None = None
     # States this rank's rooms report to the bootstrap (rank 0 only).
     reported_states: frozenset[RoomState] = frozenset(RoomState) - {RoomState.BOOTSTRAPPING}
 
-    def __init__(self, rank: Rank, node: NodeHooks, agree: Participant, metrics: ServiceMetrics):
+    def __init__(
+        self,
+        rank: Rank,
+        reports: Reports,
+        agreement: AgreementFactory,
+        metrics: ServiceMetrics,
+        loop: asyncio.AbstractEventLoop,
+    ):
         self.rank = rank
         self.settings = rank.settings
         self.pool: KVPool = rank.pool
         self.layout = rank.layout
         self.source = rank.source
-        self.node = node
-        self.agree = agree
-        agree.on_agreed = self.on_agreed
+        self.reports = reports
+        self.agree = agreement(self.on_agreed)
         self.metrics = metrics
+        self.loop = loop
         self.rooms = RoomTable()
         self.model = ModelWorker()
         # Verify mode: the pool's page digests (the prefill's while its writes are out).
@@ -191,24 +241,11 @@ class RankService(abc.ABC):
     # -- messages -----------------------------------------------------------------
 
     def on_message(self, msg: protocol.Message, aux: memoryview | None, sender: str | None) -> None:
-        """Everything that reaches this rank's network socket."""
-        batch: list[protocol.PrefillRoom | protocol.DecodeRoom | protocol.AbortRoom]
-        if isinstance(msg, protocol.Assignments):
-            batch = [*msg.prefill_rooms, *msg.decode_rooms, *msg.aborts]
-        elif isinstance(msg, (protocol.PrefillRoom, protocol.DecodeRoom)) or (
-            isinstance(msg, protocol.AbortRoom) and self.node.is_bootstrap(sender)
-        ):
-            batch = [msg]
-        else:
-            self.handle_peer(msg, aux, sender)
-            return
-        if not self.node.is_bootstrap(sender):
-            raise RejectedMessage(
-                f"{type(msg).__name__} from {sender or 'an unknown sender'}, not the bootstrap",
-                room=batch[0].room if batch else None,
-                kind="unauthorized",
-            )
-        self.take_each(batch, self.node.assign)
+        """A message from the network that is not the bootstrap's: assignments are refused (they
+        reach rank 0's leader only), the rest is a peer's."""
+        if isinstance(msg, ASSIGNMENTS):
+            refuse_assignment(msg, sender)
+        self.handle_peer(msg, aux, sender)
 
     def take_each(self, items: Sequence[Item], take: Callable[[Item], None]) -> None:
         """Hand each item of a batch to ``take``, as if it came alone: one refused is counted and
@@ -254,7 +291,7 @@ class RankService(abc.ABC):
         if room.state.terminal and not self.holds(room):
             self.rooms.retire(room)
         if room.state in self.reported_states:
-            self.node.report(room)
+            self.reports.report(room)
 
     def holds(self, room: Room) -> bool:
         """Whether the room still has work or memory on this rank after it ended."""

@@ -35,6 +35,9 @@ Changelog
        if each came alone.
     4  DONE_AUX names the kind of its page digests (``digest_kind``: ``xxh3`` from
        a CPU pool, ``wsum`` from a CUDA pool); the decode computes the same kind.
+    5  REVOKE_LEASE: a decode rank asks a prefill rank for the pages it lent it
+       back (the room failed); before, a peer's ABORT_ROOM meant that too. ABORT_ROOM
+       now comes from the bootstrap only.
 """
 
 import enum
@@ -50,7 +53,7 @@ from shared.errors import (
     VersionMismatch,
 )
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 MAGIC = b"KVRM"
 _HEADER = struct.Struct("!4sHB")
 HEADER_BYTES = _HEADER.size
@@ -100,6 +103,7 @@ class Kind(enum.IntEnum):
     RANK_READY = 14
     ASSIGNMENTS = 15
     TRANSFER_REQUESTS = 16
+    REVOKE_LEASE = 17
 
 
 class PeerRank(msgspec.Struct, frozen=True):
@@ -136,12 +140,21 @@ class DecodeRoom(msgspec.Struct, frozen=True):
 
 
 class AbortRoom(msgspec.Struct, frozen=True):
-    """Bootstrap -> a node's leader, or a peer rank -> a rank: end the room FAILED with ``reason``."""
+    """Bootstrap -> a node's leader: end the room FAILED with ``reason``."""
 
     room: RoomId
     rank: Rank  # the rank addressed; 0 for a node's leader
     reason: Text
     peer_gone: bool = False  # the room's other node is gone: nothing more will be written
+
+
+class RevokeLease(msgspec.Struct, frozen=True):
+    """Decode rank -> prefill rank: the room failed with ``reason``; write nothing more into the
+    pages I lent you, and answer with RoomReleased once none of your writes can still move."""
+
+    room: RoomId
+    rank: Rank  # the prefill rank addressed
+    reason: Text
 
 
 class Assignments(msgspec.Struct, frozen=True):
@@ -306,6 +319,7 @@ Message = (
     PrefillRoom
     | DecodeRoom
     | AbortRoom
+    | RevokeLease
     | Assignments
     | TransferRequest
     | TransferRequests
@@ -325,6 +339,7 @@ KIND_OF: dict[type, Kind] = {
     PrefillRoom: Kind.PREFILL_ROOM,
     DecodeRoom: Kind.DECODE_ROOM,
     AbortRoom: Kind.ABORT_ROOM,
+    RevokeLease: Kind.REVOKE_LEASE,
     Assignments: Kind.ASSIGNMENTS,
     TransferRequest: Kind.TRANSFER_REQUEST,
     TransferRequests: Kind.TRANSFER_REQUESTS,

@@ -43,6 +43,7 @@ def forgery(rng: random.Random) -> Frames:
                 protocol.PrefillRoom(room, [65, 66], "decode-0", [peer]),
                 protocol.DecodeRoom(room, 2, 3, "prefill-0", [peer]),
                 protocol.AbortRoom(room, 0, "aborted"),
+                protocol.RevokeLease(room, 0, "aborted"),
                 protocol.RoomReports(
                     "decode-0", [protocol.RoomStatus(room, 4, None, {}, [33], {}, "completed")]
                 ),
@@ -60,6 +61,7 @@ def random_message(rng: random.Random) -> Frames:
         ),
         lambda: protocol.DecodeRoom(room, _int(rng), _int(rng), "p", _peers(rng)),
         lambda: protocol.AbortRoom(room, rank, "aborted", rng.random() < 0.5),
+        lambda: protocol.RevokeLease(room, rank, "aborted"),
         lambda: protocol.Assignments(
             [protocol.PrefillRoom(room, [rng.randrange(-5, 300)], "d", _peers(rng))],
             [protocol.DecodeRoom(room, _int(rng), _int(rng), "p", _peers(rng))],

@@ -7,6 +7,9 @@ from collections.abc import Iterable
 from shared.errors import TransferError
 from shared.kv.layout import Write
 from shared.kv.transfer import WRITE_TIMEOUT_S, TransferEngine
+from shared.room.record import Room
+from shared.room.states import RoomState
+from shared.wire import protocol
 
 
 class FakeEngine(TransferEngine):
@@ -37,3 +40,34 @@ class FakeEngine(TransferEngine):
             self.writes.append((src, dst, length))
             total += length
         return total
+
+
+class RecordingPeers:
+    """A rank's port to its peers that records each message; with ``reachable`` False every send
+    fails, as when a peer's queue is full."""
+
+    def __init__(self) -> None:
+        self.sent: list[protocol.Message] = []
+        self.reachable = True
+
+    def send(self, peer: protocol.PeerRank, msg: protocol.Message, aux: bytes | None = None) -> bool:
+        if self.reachable:
+            self.sent.append(msg)
+        return self.reachable
+
+
+class RecordingLink:
+    """Rank 0's link to the bootstrap, recorded: the state of each report; the bootstrap is the
+    sender without a key (security off)."""
+
+    def __init__(self) -> None:
+        self.reports: list[RoomState] = []
+
+    def is_bootstrap(self, sender: str | None) -> bool:
+        return sender is None
+
+    def report(self, room: Room) -> None:
+        self.reports.append(room.state)
+
+    def tokens(self, room: int, offset: int, tokens: list[int]) -> None:
+        pass

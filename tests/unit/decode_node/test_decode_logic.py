@@ -6,7 +6,7 @@ import time
 import pytest
 import uvloop
 
-from decode_node.service import DecodeService
+from decode_node.role import DECODE
 from decode_node.settings import DecodeSettings
 from launcher.local_stack import free_port
 from shared.errors import RejectedMessage
@@ -14,40 +14,22 @@ from shared.kv.aux_buffers import Aux
 from shared.metrics import ServiceMetrics
 from shared.models.source import make_source
 from shared.node.agreement import Solo
-from shared.node.rank import Rank
+from shared.node.builder import build_service, make_rank
+from shared.node.leader import NodeLeader
 from shared.room.states import RoomState
 from shared.wire import protocol
 from shared.wire.security import CurveKeys, Security
 from tests.support import until_async
-from tests.support.fakes import FakeEngine
+from tests.support.fakes import FakeEngine, RecordingLink, RecordingPeers
 
 PREFILL_KEY = CurveKeys.generate().public
 PREFILL = protocol.PeerRank(0, "prefill:1", "tcp://127.0.0.1:9", PREFILL_KEY, 0, 4)
 ROOM = 77
 
 
-class Node:
-    """What rank 0 tells its node, recorded."""
-
-    def __init__(self) -> None:
-        self.reports: list[protocol.RoomStatus] = []
-        self.assigned: list[protocol.Message] = []
-
-    def is_bootstrap(self, sender: str | None) -> bool:
-        return sender is None
-
-    def assign(self, msg: protocol.Message) -> None:
-        self.assigned.append(msg)
-
-    def report(self, room) -> None:
-        self.reports.append(room.state)
-
-    def tokens(self, room: int, offset: int, tokens: list[int]) -> None:
-        pass
-
-
 def run(test, **settings):
-    """Runs ``test(service, node)`` on uvloop, the loop the nodes run on."""
+    """Runs ``test(service, node)`` on uvloop, the loop the nodes run on; ``node`` records what the
+    rank reports, ``service.rank.peers`` what it sends its peers."""
 
     async def main():
         s = DecodeSettings(
@@ -58,10 +40,12 @@ def run(test, **settings):
             zmq_security="plain",
             **settings,
         )
-        rank = Rank(s, 0, make_source(s, 0, None), Security(None), FakeEngine("decode:1", {}))
-        node = Node()
-        service = DecodeService(rank, node, Solo(), ServiceMetrics("decode"))
-        service.loop = asyncio.get_running_loop()
+        engine = FakeEngine("decode:1", {})
+        rank = make_rank(s, 0, make_source(s, 0, None), Security(None), engine, peers=RecordingPeers())
+        node = RecordingLink()
+        service = build_service(
+            DECODE, rank, node, Solo, ServiceMetrics("decode"), asyncio.get_running_loop()
+        )
         try:
             await test(service, node)
         finally:
@@ -272,27 +256,34 @@ def test_a_decode_that_raises_ends_the_outcome_failed_and_is_counted():
     run(body)
 
 
+def leader_of(service, node):
+    return NodeLeader("decode", "d", service, node, 1, None, {})
+
+
 def test_assignments_reach_the_node_only_from_the_bootstrap():
     async def body(service, node):
         room = protocol.DecodeRoom(ROOM, 20, 5, "p", [PREFILL])
+        leader = leader_of(service, node)
         with pytest.raises(RejectedMessage, match="not the bootstrap"):
-            service.on_message(room, None, CurveKeys.generate().public)
-        assert node.assigned == [] and not service.rooms.live
-        service.on_message(room, None, None)  # the node hands it to every rank, this one included
-        assert node.assigned == [room]
+            leader.on_message(room, None, CurveKeys.generate().public)
+        with pytest.raises(RejectedMessage, match="not the bootstrap"):
+            service.on_message(room, None, None)  # a rank's own socket takes none: its leader does
+        assert not service.rooms.live
+        leader.on_message(room, None, None)  # the leader hands it to every rank, this one included
+        assert ROOM in service.rooms.live
 
     run(body)
 
 
 def test_assignments_are_taken_in_order_and_a_bad_one_costs_only_itself():
     async def test(service, node):
-        node.assign = service.handle_assignment  # what the node's leader does for its own rank
+        leader = leader_of(service, node)
         room = protocol.DecodeRoom(ROOM, 20, 5, "p", [PREFILL])
         other = protocol.DecodeRoom(ROOM + 1, 20, 5, "p", [PREFILL])
         batch = protocol.Assignments(
             decode_rooms=[room, room, other], aborts=[protocol.AbortRoom(ROOM + 1, 0, "aborted")]
         )
-        service.on_message(batch, None, None)
+        leader.on_message(batch, None, None)
         assert ROOM in service.rooms.live  # the duplicate was dropped, and counted
         registry = service.metrics.registry
         assert registry.get_sample_value("kvroom_messages_rejected_total", {"kind": "duplicate"}) == 1
@@ -301,7 +292,7 @@ def test_assignments_are_taken_in_order_and_a_bad_one_costs_only_itself():
 
         stranger = protocol.Assignments(decode_rooms=[protocol.DecodeRoom(ROOM + 2, 20, 5, "p", [PREFILL])])
         with pytest.raises(RejectedMessage, match="not the bootstrap"):
-            service.on_message(stranger, None, PREFILL_KEY)
+            leader.on_message(stranger, None, PREFILL_KEY)
         assert service.rooms.find(ROOM + 2) is None
 
     run(test)
@@ -312,8 +303,7 @@ def test_an_abort_that_overtook_its_room_refuses_the_room_when_it_comes():
     the node before the other's assignment. The room is then refused: no page, no request."""
 
     async def test(service, node):
-        sent = []
-        service.rank.send = lambda peer, msg, aux=None: sent.append(msg) or True
+        sent = service.rank.peers.sent
         free = service.pool.free_pages
         service.handle_assignment(protocol.AbortRoom(ROOM, 0, "aborted"))
         with pytest.raises(RejectedMessage, match="already known"):
@@ -329,8 +319,7 @@ def test_an_abort_that_overtook_its_room_refuses_the_room_when_it_comes():
 
 def test_a_turns_transfer_requests_to_one_prefill_rank_go_in_one_message():
     async def test(service, node):
-        sent = []
-        service.rank.send = lambda peer, msg, aux=None: sent.append(msg) or True
+        sent = service.rank.peers.sent
         assign(service)
         assert sent == []  # at the end of the turn
         await asyncio.sleep(0)
@@ -347,7 +336,7 @@ def test_a_turns_transfer_requests_to_one_prefill_rank_go_in_one_message():
 
 def test_requests_that_cannot_be_queued_fail_their_rooms():
     async def test(service, node):
-        service.rank.send = lambda peer, msg, aux=None: False
+        service.rank.peers.reachable = False
         rooms = [assign(service), assign(service, ROOM + 1)]
         await asyncio.sleep(0)
         assert [(job.state, job.reason) for job in rooms] == [(RoomState.FAILED, "peer_lost")] * 2
@@ -357,11 +346,10 @@ def test_requests_that_cannot_be_queued_fail_their_rooms():
 
 def test_an_abort_never_overtakes_the_request_it_cancels():
     async def test(service, node):
-        sent = []
-        service.rank.send = lambda peer, msg, aux=None: sent.append(msg) or True
+        sent = service.rank.peers.sent
         job = assign(service)
         service.handle_assignment(protocol.AbortRoom(ROOM, 0, "aborted"))  # in the same turn
-        assert [type(m) for m in sent] == [protocol.TransferRequest, protocol.AbortRoom]
+        assert [type(m) for m in sent] == [protocol.TransferRequest, protocol.RevokeLease]
         assert job.state is RoomState.FAILED
         await asyncio.sleep(0)
         assert len(sent) == 2  # nothing sent twice
@@ -393,12 +381,9 @@ def test_a_room_stays_live_while_it_decodes_and_an_abort_ends_it_at_once():
 def test_a_draining_leader_refuses_rooms_it_has_not_seen():
     """New rooms are refused before any rank takes them (FAILED draining, reported); a room the
     node already holds is still its own, and an abort still reaches it."""
-    from shared.node.leader import NodeLeader
 
     async def body(service, node):
-        leader = NodeLeader("decode", "d", service.rank, 1, None)
-        leader.service = service
-        leader.membership = node  # records the reports
+        leader = leader_of(service, node)
         leader.assign(protocol.DecodeRoom(ROOM, 20, 5, "p", [PREFILL]))
         leader.draining = True
         leader.assign(protocol.DecodeRoom(ROOM + 1, 20, 5, "p", [PREFILL]))

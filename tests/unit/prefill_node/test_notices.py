@@ -8,35 +8,21 @@ import pytest
 import uvloop
 
 from launcher.local_stack import free_port
-from prefill_node.service import PrefillService
+from prefill_node.role import PREFILL
 from prefill_node.settings import PrefillSettings
 from shared.errors import RejectedMessage
 from shared.metrics import ServiceMetrics
 from shared.models.source import make_source
 from shared.node.agreement import Solo
-from shared.node.rank import Rank
+from shared.node.builder import build_service, make_rank
 from shared.room.states import RoomState
 from shared.wire import protocol
 from shared.wire.security import Security
 from tests.support import until_async
-from tests.support.fakes import FakeEngine
+from tests.support.fakes import FakeEngine, RecordingLink, RecordingPeers
 
 ROOM = 41
 DECODE = protocol.PeerRank(0, "decode", "tcp://127.0.0.1:9", "", 0, 4)
-
-
-class Node:
-    def is_bootstrap(self, sender: str | None) -> bool:
-        return sender is None
-
-    def assign(self, msg: protocol.Message) -> None:
-        pass
-
-    def report(self, room) -> None:
-        pass
-
-    def tokens(self, room: int, offset: int, tokens: list[int]) -> None:
-        pass
 
 
 class GatedEngine(FakeEngine):
@@ -66,11 +52,11 @@ def run(test, **settings):
         )
         directory: dict[str, list[tuple[int, int]]] = {"decode": [(0, 1 << 62)]}
         engine = GatedEngine(directory)
-        rank = Rank(s, 0, make_source(s, 0, None), Security(None), engine)
-        sent: list[protocol.Message] = []
-        rank.send = lambda peer, msg, aux=None: sent.append(msg) or True  # type: ignore[method-assign]
-        service = PrefillService(rank, Node(), Solo(), ServiceMetrics("prefill"))
-        service.loop = asyncio.get_running_loop()
+        peers = RecordingPeers()
+        rank = make_rank(s, 0, make_source(s, 0, None), Security(None), engine, peers=peers)
+        loop = asyncio.get_running_loop()
+        service = build_service(PREFILL, rank, RecordingLink(), Solo, ServiceMetrics("prefill"), loop)
+        sent = peers.sent
         try:
             await test(service, engine, sent)
         finally:

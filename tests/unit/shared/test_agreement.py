@@ -16,8 +16,7 @@ def rs(room: int, state: RoomState, reason: str | None = None, digest: int = 0) 
 
 def test_solo_agrees_at_once_with_its_own_state():
     heard: list[Agreed] = []
-    solo = Solo()
-    solo.on_agreed = lambda *a: heard.append(a)
+    solo = Solo(lambda *a: heard.append(a))
     solo.local(5, S.TRANSFERRING, "not a failure")
     assert heard == [(5, S.TRANSFERRING, None)]
     solo.local(5, S.SUCCESS, digest=77)
@@ -108,7 +107,7 @@ async def next_turn() -> None:
 def test_a_follower_sends_one_turns_changes_as_one_message():
     async def run() -> list[protocol.Message]:
         sent: list[protocol.Message] = []
-        follower = FollowerParticipant(asyncio.get_running_loop(), 2, sent.append)
+        follower = FollowerParticipant(asyncio.get_running_loop(), 2, sent.append, lambda *a: None)
         for room in range(1, 51):
             follower.local(room, S.TRANSFERRING)
         follower.local(7, S.FAILED, "aux_invalid")  # a later change of a room in the same turn wins
@@ -125,29 +124,30 @@ def test_a_follower_sends_one_turns_changes_as_one_message():
     assert sent == [protocol.RankStates(2, first), protocol.RankStates(2, [rs(60, S.SUCCESS, digest=12)])]
 
 
-class CountingLeader(Leader):
-    def __init__(self, world: int, deliver: Deliveries):
-        super().__init__(world, deliver)
-        self.contributions: list[tuple[int, int]] = []  # (rank, rooms in it)
-
-    def contribute(self, rank: int, states: list[protocol.RankState]) -> None:
-        self.contributions.append((rank, len(states)))
-        super().contribute(rank, states)
-
-
 def test_the_leaders_own_rank_contributes_once_per_turn():
-    async def run() -> CountingLeader:
-        leader = CountingLeader(1, Deliveries())
-        me = LeaderParticipant(asyncio.get_running_loop(), leader)
+    async def run() -> tuple[list[tuple[int, int]], list[protocol.Message], list[Agreed]]:
+        sent: list[protocol.Message] = []
+        heard: list[Agreed] = []
+        me = LeaderParticipant(asyncio.get_running_loop(), 1, sent.append, lambda *a: heard.append(a))
+        contributions: list[tuple[int, int]] = []  # (rank, rooms in it)
+        real = me.leader.contribute
+
+        def counted(rank: int, states: list[protocol.RankState]) -> None:
+            contributions.append((rank, len(states)))
+            real(rank, states)
+
+        me.leader.contribute = counted  # type: ignore[method-assign]
         for room in range(1, 51):
             me.local(room, S.WAITING_FOR_INPUT)
-        assert leader.contributions == []
+        assert contributions == []
         await next_turn()
-        return leader
+        return contributions, sent, heard
 
-    leader = asyncio.run(run())
-    assert leader.contributions == [(0, 50)]
-    assert leader._deliver.calls == [[rs(r, S.WAITING_FOR_INPUT) for r in range(1, 51)]]  # type: ignore[attr-defined]
+    contributions, sent, heard = asyncio.run(run())
+    assert contributions == [(0, 50)]
+    # The agreed changes go to the other ranks in one message and to this rank at once.
+    assert sent == [protocol.RankAgreed([rs(r, S.WAITING_FOR_INPUT) for r in range(1, 51)])]
+    assert heard == [(r, S.WAITING_FOR_INPUT, None) for r in range(1, 51)]
 
 
 def test_a_node_of_two_ranks_agrees_through_the_leader():
@@ -160,20 +160,19 @@ def test_a_node_of_two_ranks_agrees_through_the_leader():
         link: list[protocol.Message] = []
         ranks: list[LeaderParticipant | FollowerParticipant] = []
 
-        def deliver(states: list[protocol.RankState]) -> None:
-            for rank in ranks:
-                rank.agreed(states)
-
-        leader = Leader(2, deliver)
+        def broadcast(msg: protocol.Message) -> None:
+            assert isinstance(msg, protocol.RankAgreed)
+            ranks[1].agreed(msg.states)
 
         def to_leader(msg: protocol.Message) -> None:
             assert isinstance(msg, protocol.RankStates)
             link.append(msg)
-            leader.contribute(msg.rank, msg.states)
+            ranks[0].contribute(msg.rank, msg.states)
 
-        ranks[:] = [LeaderParticipant(loop, leader), FollowerParticipant(loop, 1, to_leader)]
-        ranks[0].on_agreed = lambda *a: heard0.append(a)
-        ranks[1].on_agreed = lambda *a: heard1.append(a)
+        ranks[:] = [
+            LeaderParticipant(loop, 2, broadcast, lambda *a: heard0.append(a)),
+            FollowerParticipant(loop, 1, to_leader, lambda *a: heard1.append(a)),
+        ]
         for rank in ranks:
             rank.local(4, S.TRANSFERRING)
             rank.local(5, S.TRANSFERRING)

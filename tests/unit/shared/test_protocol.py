@@ -32,6 +32,7 @@ MESSAGES: list[protocol.Message] = [
     ),
     protocol.AbortRoom(room=5, rank=0, reason="aborted"),
     protocol.AbortRoom(room=5, rank=3, reason="peer_lost", peer_gone=True),
+    protocol.RevokeLease(room=5, rank=1, reason="aux_timeout"),
     protocol.Assignments(
         prefill_rooms=[protocol.PrefillRoom(room=6, input_ids=[1, 2], decode_node="d", decode_ranks=[PEER])],
         aborts=[protocol.AbortRoom(room=5, rank=0, reason="aborted")],
@@ -147,7 +148,7 @@ def test_aux_goes_with_done_and_only_with_it():
 ABORT = {"room": 5, "rank": 0, "reason": "x"}
 BODY = msgspec.msgpack.encode(ABORT)
 DONE_BODY = msgspec.structs.asdict(DONE)
-REQUEST_BODY = msgspec.structs.asdict(MESSAGES[4])
+REQUEST_BODY = msgspec.structs.asdict(next(m for m in MESSAGES if isinstance(m, protocol.TransferRequest)))
 PEER_BODY = msgspec.structs.asdict(PEER)
 STATES_BODY = {"rank": 0, "states": [{"room": 5, "state": 1}]}
 

@@ -3,12 +3,12 @@ at most one such message every REPORT_DELAY_S; a transfer's end soon; progress l
 
 import asyncio
 
-from prefill_node.settings import PrefillSettings
-from shared.node import membership
-from shared.node.membership import Membership
+from shared.node import reports
+from shared.node.reports import BootstrapLink
 from shared.room.record import Room
 from shared.room.states import RoomState
 from shared.wire import protocol
+from shared.wire.registration import Bootstrap
 from tests.support import until_async
 
 
@@ -21,19 +21,12 @@ def reports_of(sent: list[list[bytes]]) -> list[list[tuple[int, int, str | None]
     return out
 
 
-def make(sent: list[list[bytes]]) -> Membership:
-    m = Membership(
-        PrefillSettings(zmq_security="plain"),
-        "n",
-        lambda: None,  # type: ignore[arg-type,return-value]
-        lambda: None,  # type: ignore[arg-type,return-value]
-        lambda endpoint, key, frames: sent.append(frames) or True,
-        lambda: [],
-        lambda rooms: None,
+def make(sent: list[list[bytes]]) -> BootstrapLink:
+    link = BootstrapLink(
+        "n", lambda endpoint, key, frames: sent.append(frames) or True, asyncio.get_running_loop()
     )
-    m._report_to = ("b", "tcp://127.0.0.1:1", "")
-    m.loop = asyncio.get_running_loop()
-    return m
+    link.report_to(Bootstrap(id="b", report_endpoint="tcp://127.0.0.1:1", public_key=""))
+    return link
 
 
 def finished(room_id: int) -> Room:
@@ -52,7 +45,7 @@ def test_a_lone_finished_room_leaves_at_the_end_of_the_turn_and_a_burst_waits():
         await asyncio.sleep(0)
         assert reports_of(sent) == [[(1, 4, "completed")]]  # no timer waited for
         m.report(finished(2))  # right after a message: held until REPORT_DELAY_S has passed
-        assert m._report_due >= m._flushed_at + membership.REPORT_DELAY_S
+        assert m._report_due >= m._flushed_at + reports.REPORT_DELAY_S
         m.report(finished(3))
         await until_async(lambda: len(sent) == 2)
         assert reports_of(sent)[1] == [(2, 4, "completed"), (3, 4, "completed")]
@@ -61,7 +54,7 @@ def test_a_lone_finished_room_leaves_at_the_end_of_the_turn_and_a_burst_waits():
 
 
 def test_progress_waits_longer_than_an_end(monkeypatch):
-    monkeypatch.setattr(membership, "PROGRESS_REPORT_DELAY_S", 10.0)
+    monkeypatch.setattr(reports, "PROGRESS_REPORT_DELAY_S", 10.0)
 
     async def main() -> None:
         sent: list[list[bytes]] = []
@@ -69,11 +62,11 @@ def test_progress_waits_longer_than_an_end(monkeypatch):
         room = Room(4)
         room.advance_to(RoomState.TRANSFERRING)
         m.report(room)
-        await asyncio.sleep(membership.REPORT_DELAY_S * 3)
+        await asyncio.sleep(reports.REPORT_DELAY_S * 3)
         assert sent == []
         room.advance_to(RoomState.SUCCESS)  # the transfer ended; the room has not finished
         m.report(room)
-        assert m._report_due >= m.loop.time() + membership.REPORT_DELAY_S * 0.5  # soon, not at once
+        assert m._report_due >= m.loop.time() + reports.REPORT_DELAY_S * 0.5  # soon, not at once
         await until_async(lambda: len(sent) == 1)
         assert reports_of(sent) == [[(4, 4, None)]]
 

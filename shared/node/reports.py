@@ -1,0 +1,109 @@
+"""Where rank 0 sends room reports and streamed tokens, and whose assignments it takes.
+
+Reports and tokens go over ZMQ, CURVE-authenticated, to the report endpoint of the
+bootstrap the node registered with (``shared.node.membership`` says which).
+"""
+
+import asyncio
+from collections.abc import Callable
+
+from shared.room.record import Room
+from shared.wire import protocol
+from shared.wire.registration import Bootstrap
+
+# How long room state changes are gathered before they go to the bootstrap in one
+# message: briefly for a room that ended, longer for progress, which no one waits on
+# and which would otherwise wake the bootstrap in the middle of most KV writes. A room
+# that finished (what a client waits for) goes at the end of the loop's turn, unless a
+# message went less than REPORT_DELAY_S ago: then once that much has passed. A lone room
+# waits for nothing; under load one message still carries many rooms.
+REPORT_DELAY_S = 0.002
+PROGRESS_REPORT_DELAY_S = 0.05
+TOKEN_DELAY_S = 0.002
+
+Send = Callable[[str, str, list[bytes]], bool]  # endpoint, its CURVE key, frames
+
+
+class BootstrapLink:
+    def __init__(self, node_id: str, send: Send, loop: asyncio.AbstractEventLoop):
+        self.node_id = node_id
+        self._send = send
+        self.loop = loop
+        self.bootstrap_keys: frozenset[str] = frozenset()
+        self.reporting_to: str | None = None  # the bootstrap's id
+        self._endpoint = ("", "")  # its report endpoint and key
+        self._pending_reports: dict[int, Room] = {}
+        self._report_due = float("inf")  # loop time of the next flush; inf when none is set
+        self._flushed_at = float("-inf")  # loop time of the last flush
+        self._report_timer: asyncio.Handle | None = None
+        self._pending_tokens: list[protocol.TokenChunk] = []
+
+    def trust(self, keys: frozenset[str]) -> None:
+        """The keys of the cluster's bootstraps: assignments are taken from these only."""
+        self.bootstrap_keys = keys
+
+    def report_to(self, bootstrap: Bootstrap) -> None:
+        self.reporting_to = bootstrap.id
+        self._endpoint = (bootstrap.report_endpoint, bootstrap.public_key)
+
+    def is_bootstrap(self, sender: str | None) -> bool:
+        """Whether ``sender`` is a bootstrap of our cluster (anyone, with security off)."""
+        return sender is None or sender in self.bootstrap_keys
+
+    # -- reports ----------------------------------------------------------------------
+
+    def report(self, room: Room) -> None:
+        """Tell the bootstrap where the room stands on this node.
+
+        Changes are gathered for a moment and sent as one message, the latest
+        state of each room with the time it entered every state: under load
+        the bootstrap handles a few messages instead of one per transition.
+        """
+        self._pending_reports[room.id] = room
+        now = self.loop.time()
+        if room.finished:
+            due = max(now, self._flushed_at + REPORT_DELAY_S)
+        else:
+            due = now + (REPORT_DELAY_S if room.state.terminal else PROGRESS_REPORT_DELAY_S)
+        self._schedule(due)
+
+    def tokens(self, room: int, offset: int, tokens: list[int]) -> None:
+        self._pending_tokens.append(protocol.TokenChunk(room, offset, tokens))
+        self._schedule(self.loop.time() + TOKEN_DELAY_S)
+
+    def _schedule(self, due: float) -> None:
+        if self._report_due <= due:
+            return
+        if self._report_timer is not None:
+            self._report_timer.cancel()
+        self._report_due = due
+        self._report_timer = self.loop.call_at(due, self.flush)
+
+    def flush(self) -> None:
+        self._report_due = float("inf")
+        self._report_timer = None
+        self._flushed_at = self.loop.time()
+        if self.reporting_to is None:
+            return  # kept until we know where reports go
+        endpoint, key = self._endpoint
+        chunks, self._pending_tokens = self._pending_tokens, []
+        for start in range(0, len(chunks), protocol.MAX_REPORTS):
+            msg = protocol.RoomTokens(self.node_id, chunks[start : start + protocol.MAX_REPORTS])
+            self._send(endpoint, key, protocol.encode(msg))
+        rooms = list(self._pending_reports.values())
+        self._pending_reports.clear()
+        for start in range(0, len(rooms), protocol.MAX_REPORTS):
+            statuses = [
+                protocol.RoomStatus(
+                    room=room.id,
+                    state=int(room.state),
+                    reason=room.reason,
+                    timestamps=room.timestamps,
+                    output_ids=room.output_ids,
+                    timings=room.timings,
+                    outcome=room.outcome,
+                    finish_reason=room.finish_reason,
+                )
+                for room in rooms[start : start + protocol.MAX_REPORTS]
+            ]
+            self._send(endpoint, key, protocol.encode(protocol.RoomReports(self.node_id, statuses)))
