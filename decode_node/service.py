@@ -25,7 +25,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
 
 from decode_node.settings import DecodeSettings
 from shared.errors import PoolExhausted, RejectedMessage
@@ -33,7 +32,7 @@ from shared.kv.aux_buffers import AUX_RECORD, AuxBuffers, record_digest
 from shared.kv.head_split import HeadRange, writers
 from shared.kv.lease import Lease
 from shared.metrics import ServiceMetrics
-from shared.models.source import Decoded
+from shared.models.source import Decoded, DecodeRequest
 from shared.node.rank import AgreementFactory, Rank, RankRoom, RankService, Reports
 from shared.room.gate import Expected, Invalid, Landed, Pending, Ready, rank_verdict
 from shared.room.record import Room
@@ -418,26 +417,19 @@ class DecodeService(RankService):
         self.metrics.aux_latency.observe(aux_latency)
         self._free_slots(job)
         on_token = self._streamer(job) if job.stream else None
-        args = (
-            job.id,
-            self.pool,
-            job.pages,
-            job.prompt_len,
-            job.first_token,
-            job.max_new_tokens,
-            job.stop,
-            on_token,
+        req = DecodeRequest(
+            job.id, job.pages, job.prompt_len, job.first_token, job.max_new_tokens, job.stop, on_token
         )
         if self.source.inline:
-            self.spawn(self._decoded(job, None, args))
+            self.spawn(self._decoded(job, None, req))
         else:
             # Submitted now, in the agreed order: the order of the ranks' collectives.
-            self.spawn(self._decoded(job, self.model.submit(self._decode, *args), args))
+            self.spawn(self._decoded(job, self.model.submit(self._decode, req), req))
 
-    def _decode(self, *args: Any) -> tuple[Decoded, float]:
+    def _decode(self, req: DecodeRequest) -> tuple[Decoded, float]:
         """In the model thread: the decode, and how long it took there (not counting its wait)."""
         started = time.perf_counter()
-        return self.source.decode(*args), time.perf_counter() - started
+        return self.source.decode(self.pool, req), time.perf_counter() - started
 
     def _streamer(self, job: DecodeJob) -> Callable[[int], None]:
         offset = 0
@@ -453,13 +445,13 @@ class DecodeService(RankService):
         self,
         job: DecodeJob,
         future: "concurrent.futures.Future[tuple[Decoded, float]] | None",
-        args: tuple[Any, ...],
+        req: DecodeRequest,
     ) -> None:
         outcome: str = "completed"
         reason: str | None = None
         try:
             if future is None:
-                result, seconds = self._decode(*args)
+                result, seconds = self._decode(req)
             else:
                 result, seconds = await asyncio.wrap_future(future)
             job.output_ids, job.finish_reason = result.output_ids, result.finish_reason

@@ -39,7 +39,7 @@ from shared.models.files import (
     tokenizer_digest,
     weights_digest,
 )
-from shared.models.source import Decoded, KVSource, OnToken, stop_at
+from shared.models.source import Decoded, DecodeRequest, KVSource, stop_at
 from shared.node.settings import NodeSettings
 from shared.wire.registration import ModelIdentity
 
@@ -185,17 +185,8 @@ class HFSource(KVSource):
         return token, float(torch.log_softmax(logits, dim=-1)[token])
 
     @torch.inference_mode()
-    def decode(
-        self,
-        room: int,
-        pool: KVPool,
-        pages: list[int],
-        prompt_len: int,
-        first_token: int,
-        max_new_tokens: int,
-        stop: list[str],
-        on_token: OnToken | None = None,
-    ) -> Decoded:
+    def decode(self, pool: KVPool, req: DecodeRequest) -> Decoded:
+        pages, prompt_len, on_token, stop = req.pages, req.prompt_len, req.on_token, req.stop
         index = self._pages_of(pool, pages, prompt_len)
         layers = []
         for li in range(self.num_layers):
@@ -204,13 +195,13 @@ class HFSource(KVSource):
             )
             layers.append((k.unsqueeze(0).to(self.device), v.unsqueeze(0).to(self.device)))
         cache = DynamicCache(ddp_cache_data=layers, config=self.model.config)
-        out = [first_token]
+        out = [req.first_token]
         while True:
             if on_token is not None:
                 on_token(out[-1])
             if out[-1] in self.eos or stop_at(self._text, out, stop):
                 return Decoded(out, "stop")
-            if len(out) >= max_new_tokens:
+            if len(out) >= req.max_new_tokens:
                 return Decoded(out, "length")
             logits = self._last_logits(out[-1:], prompt_len + len(out) - 1, cache)
             out.append(int(torch.argmax(logits)))

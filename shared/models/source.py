@@ -12,7 +12,7 @@ and its result is dropped. The node's leader fixes that order.
 
 import abc
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shared.errors import KvroomError
 from shared.kv.head_split import HeadRange, kv_heads
@@ -30,6 +30,19 @@ OnToken = Callable[[int], object]
 class Decoded:
     output_ids: list[int]
     finish_reason: str  # "stop": an end token or stop string; "length": max_new_tokens
+
+
+@dataclass(frozen=True)
+class DecodeRequest:
+    """What a decode continues from: the room's pages, holding its prompt's KV, and its first token."""
+
+    room: int
+    pages: list[int]
+    prompt_len: int
+    first_token: int
+    max_new_tokens: int
+    stop: list[str] = field(default_factory=list)
+    on_token: OnToken | None = None
 
 
 class DecodeFailed(KvroomError):
@@ -53,18 +66,8 @@ class KVSource(abc.ABC):
         the first token and its logprob."""
 
     @abc.abstractmethod
-    def decode(
-        self,
-        room: int,
-        pool: KVPool,
-        pages: list[int],
-        prompt_len: int,
-        first_token: int,
-        max_new_tokens: int,
-        stop: list[str],
-        on_token: OnToken | None = None,
-    ) -> Decoded:
-        """Continue from the KV in ``pages``; every output token, the first included."""
+    def decode(self, pool: KVPool, req: DecodeRequest) -> Decoded:
+        """Continue from the KV in the request's pages; every output token, the first included."""
 
 
 def stop_at(text_of: Callable[[list[int]], str], out: list[int], stop: list[str]) -> bool:
@@ -99,27 +102,17 @@ class ReferenceSource(KVSource):
     ) -> tuple[int, float]:
         return self.model.prefill(pool, pages, input_ids)
 
-    def decode(
-        self,
-        room: int,
-        pool: KVPool,
-        pages: list[int],
-        prompt_len: int,
-        first_token: int,
-        max_new_tokens: int,
-        stop: list[str],
-        on_token: OnToken | None = None,
-    ) -> Decoded:
+    def decode(self, pool: KVPool, req: DecodeRequest) -> Decoded:
         out = self.model.decode(
             pool,
-            pages,
-            prompt_len,
-            first_token,
-            max_new_tokens,
-            on_token,
-            lambda ids: stop_at(decode_text, ids, stop),
+            req.pages,
+            req.prompt_len,
+            req.first_token,
+            req.max_new_tokens,
+            req.on_token,
+            lambda ids: stop_at(decode_text, ids, req.stop),
         )
-        return Decoded(out, "stop" if stop_at(decode_text, out, stop) else "length")
+        return Decoded(out, "stop" if stop_at(decode_text, out, req.stop) else "length")
 
 
 class SyntheticSource(KVSource):
@@ -154,20 +147,10 @@ class SyntheticSource(KVSource):
         synthetic.fill(pool, pages or [], room, self.kv_heads.start, self._total)
         return ord("K"), 0.0
 
-    def decode(
-        self,
-        room: int,
-        pool: KVPool,
-        pages: list[int],
-        prompt_len: int,
-        first_token: int,
-        max_new_tokens: int,
-        stop: list[str],
-        on_token: OnToken | None = None,
-    ) -> Decoded:
-        kv_pages = pages[: pool.layout.pages_for(prompt_len)]
-        if not synthetic.verify(pool, kv_pages, room, self.kv_heads.start, self._total):
-            raise DecodeFailed(f"room {room}: synthetic KV did not land intact")
+    def decode(self, pool: KVPool, req: DecodeRequest) -> Decoded:
+        kv_pages = req.pages[: pool.layout.pages_for(req.prompt_len)]
+        if not synthetic.verify(pool, kv_pages, req.room, self.kv_heads.start, self._total):
+            raise DecodeFailed(f"room {req.room}: synthetic KV did not land intact")
         return Decoded([], "length")
 
 

@@ -33,12 +33,10 @@ BROKEN_PROMPT_LEN = 13
 def break_decode() -> None:
     real = kv_source.ReferenceSource.decode
 
-    def decode(
-        self: kv_source.ReferenceSource, room: int, pool: Any, pages: Any, prompt_len: int, *rest: Any
-    ) -> Any:
-        if prompt_len == BROKEN_PROMPT_LEN:
+    def decode(self: kv_source.ReferenceSource, pool: Any, req: kv_source.DecodeRequest) -> Any:
+        if req.prompt_len == BROKEN_PROMPT_LEN:
             raise RuntimeError("a model bug, on purpose")
-        return real(self, room, pool, pages, prompt_len, *rest)
+        return real(self, pool, req)
 
     kv_source.ReferenceSource.decode = decode  # type: ignore[method-assign]
 

@@ -20,7 +20,7 @@ from shared.kv.head_split import writers
 from shared.kv.pool import KVPool
 from shared.models.files import greedy_differences, model_dir, tokenizer_digest, weights_digest
 from shared.models.hf import HFSource
-from shared.models.source import KVSource, make_source
+from shared.models.source import DecodeRequest, KVSource, make_source
 
 REPO = Path(__file__).resolve().parents[3]
 TEXTS = [
@@ -96,7 +96,7 @@ def test_decode_from_moved_pages_is_generate(checkpoints, single, arch, dtype):
         for s, d in zip(a_pages, b_pages, strict=True):
             byte_pages(b)[d] = byte_pages(a)[s]
         heard: list[int] = []
-        decoded = source.decode(7, b, b_pages, len(ids), first, NEW_TOKENS, [], heard.append)
+        decoded = source.decode(b, DecodeRequest(7, b_pages, len(ids), first, NEW_TOKENS, [], heard.append))
         assert first == want[0] and logprob < 0
         assert decoded.output_ids == want == heard
         assert decoded.finish_reason == ("stop" if want[-1] == EOS_ID else "length")
@@ -110,7 +110,9 @@ def test_a_page_size_of_16_gives_the_same_tokens(checkpoints, single):
     pool = KVPool(layout, 8)
     pages = pool.alloc(layout.pages_for(len(ids)))
     first, _ = source.prefill(1, pool, pages, ids)
-    assert source.decode(1, pool, pages, len(ids), first, 12, []).output_ids == generated(source, ids, 12)
+    assert source.decode(pool, DecodeRequest(1, pages, len(ids), first, 12, [])).output_ids == generated(
+        source, ids, 12
+    )
 
 
 def test_prefill_without_pages_stores_nothing_and_gives_the_same_first_token(checkpoints, single):
@@ -132,7 +134,7 @@ def test_decode_reads_the_prompt_from_the_pages(checkpoints, single):
     pages = pool.alloc(16)
     first, _ = source.prefill(6, pool, pages, ids)
     pool.data[pages[1]] = 0
-    assert source.decode(6, pool, pages, len(ids), first, 12, []).output_ids != want
+    assert source.decode(pool, DecodeRequest(6, pages, len(ids), first, 12, [])).output_ids != want
 
 
 def test_too_few_pages_and_a_foreign_layout_are_refused(checkpoints, single):
@@ -157,7 +159,7 @@ def test_a_stop_string_ends_the_output_where_its_text_appears(checkpoints, singl
     pool = KVPool(source.kv_layout(4), 16)
     pages = pool.alloc(16)
     first, _ = source.prefill(4, pool, pages, ids)
-    decoded = source.decode(4, pool, pages, len(ids), first, NEW_TOKENS, ["never seen", stop])
+    decoded = source.decode(pool, DecodeRequest(4, pages, len(ids), first, NEW_TOKENS, ["never seen", stop]))
     assert (decoded.output_ids, decoded.finish_reason) == (want[:cut], "stop")
 
 
@@ -170,7 +172,7 @@ def test_end_of_sequence_stops_the_output_as_generate_does(checkpoints, single, 
     pool = KVPool(source.kv_layout(4), 16)
     pages = pool.alloc(16)
     first, _ = source.prefill(5, pool, pages, ids)
-    decoded = source.decode(5, pool, pages, len(ids), first, 60, [])
+    decoded = source.decode(pool, DecodeRequest(5, pages, len(ids), first, 60, []))
     assert (decoded.output_ids, decoded.finish_reason) == (want, "stop")
 
 
@@ -258,7 +260,9 @@ def move_room(prefill: Node, decode: Node, ids: list[int], new_tokens: int) -> l
             for s, t in zip(src_pages[p], dst_pages[d], strict=True):
                 byte_pages(dst[d])[t, to : to + length] = byte_pages(src[p])[s, at : at + length]
     first = firsts[0][0]  # type: ignore[index]
-    decoded = decode.run(lambda r, s: s.decode(9, dst[r], dst_pages[r], len(ids), first, new_tokens, []))
+    decoded = decode.run(
+        lambda r, s: s.decode(dst[r], DecodeRequest(9, dst_pages[r], len(ids), first, new_tokens, []))
+    )
     return [d.output_ids for d in decoded]  # type: ignore[attr-defined]
 
 
