@@ -1,12 +1,17 @@
 """Benchmark kvroom against the raw Mooncake engine on the same bytes.
 
     python -m bench [--quick] [--out bench/results]
+    python -m bench --against REF [--quick] [--out bench/results]
 
 Runs real services on 127.0.0.1 over TCP in synthetic-KV mode (pages stamped,
 not computed; checked on the decode side after SUCCESS, outside the timing).
 Every comparison is interleaved: within one run each side takes its turn, in an
 order reversed every other run, and a ratio or a difference is taken between
 neighbours of one run before the median over runs. Nothing here asserts a timing.
+
+With ``--against REF`` the rooms, the control plane and the model run on this tree's
+stacks and on REF's (checked out beside, each version's services importing their own
+tree) in turn, and each row is judged: not worse, or worse (bench/against.py).
 """
 
 import argparse
@@ -14,18 +19,22 @@ import asyncio
 import json
 import os
 import platform
+import re
 import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from bench.against import ROOT, compare, describe, tree_env, worktree
 from bench.http_load import Connection
 from bench.raw import RawPair
-from bench.report import write_report
+from bench.report import size_label, write_against_report, write_report
 from bench.zmq_pair import ZmqPair
 from bootstrap.settings import BootstrapSettings
 from launcher.local_stack import LocalStack, Service
@@ -130,9 +139,11 @@ class Bench:
         secure: bool = True,
         verify_kv: bool = False,
         bootstrap: list[str] | None = None,
+        env: dict[str, str] | None = None,
     ) -> LocalStack:
         stack = LocalStack(
             self.workdir / name,
+            env=env,
             bootstrap_args=["--log-level", "WARNING", "--max-prompt-tokens", "131072", *(bootstrap or [])],
             secure=secure,
             verify_kv=verify_kv,
@@ -448,6 +459,171 @@ async def stream_completions(
     return first, total
 
 
+def success_ms(client: httpx.Client, tokens: int) -> float:
+    return ms(Bench.room(client, tokens)["request_to_success_s"])
+
+
+def drive_block(url: str, in_flight: int, count: int) -> dict[str, Any]:
+    return asyncio.run(drive(url, in_flight, count))
+
+
+def ttft_p50_ms(url: str, concurrency: int, requests: int, max_tokens: int) -> float:
+    ttft, _ = asyncio.run(stream_completions(url, concurrency, requests, max_tokens))
+    return ms(percentile(ttft, 0.5))
+
+
+class Versions:
+    """Each point on two versions' stacks side by side, taking turns; each row the new version's
+    samples against the old's, run by run."""
+
+    def __init__(self, bench: Bench, trees: dict[str, Path]):
+        self.bench = bench
+        self.envs = {version: tree_env(tree) for version, tree in trees.items()}
+        self.rows: list[dict[str, Any]] = []
+
+    def stacks(
+        self, name: str, prefill: list[str], decode: list[str], **options: Any
+    ) -> dict[str, LocalStack]:
+        slug = re.sub(r"[^a-z0-9]+", "-", name.lower())  # a log directory's name
+        with ThreadPoolExecutor(len(self.envs)) as pool:  # started together: half the wait
+            starting = {
+                version: pool.submit(
+                    self.bench.stack, f"{slug}-{version}", prefill, decode, env=env, **options
+                )
+                for version, env in self.envs.items()
+            }
+        return {version: future.result() for version, future in starting.items()}
+
+    def add(self, section: str, point: str, samples: dict[str, list[float]], lower_is_better: bool) -> None:
+        row = compare(samples["old"], samples["new"], lower_is_better)
+        self.rows.append({"section": section, "point": point, "runs": len(samples["old"]), **row})
+
+    def rooms(
+        self,
+        section: str,
+        sizes_kib: list[int],
+        prefill: tuple[str, ...] = (),
+        decode: tuple[str, ...] = (),
+        **options: Any,
+    ) -> None:
+        """Request to SUCCESS of rooms of each size, in the 8B-class layout."""
+        layout = layout_of(BIG)
+        pool = max(sizes_kib) * KIB + 8 * layout.page_bytes
+        stacks = self.stacks(
+            section, node_args(BIG, pool, *prefill), node_args(BIG, pool, *decode), **options
+        )
+        clients = {version: stack.client() for version, stack in stacks.items()}
+        try:
+            for client in clients.values():
+                self.bench.room(client, 1)  # the engines' connection, opened once
+            for size_kib in sizes_kib:
+                tokens = size_kib * KIB // layout.page_bytes
+                samples = interleaved(
+                    {version: partial(success_ms, client, tokens) for version, client in clients.items()},
+                    self.bench.runs,
+                )
+                self.add(section, f"{size_label(size_kib)} room, request→SUCCESS ms", samples, True)
+        finally:
+            for client in clients.values():
+                client.close()
+            self.bench.close()
+
+    def control_plane(self, levels: list[int], rooms_per_level: int, blocks: int) -> None:
+        """Blocks of rooms through POST /rooms, 64 KiB of KV each, at each in-flight level."""
+        stacks = self.stacks("control", node_args(SMALL, 64 * MIB), node_args(SMALL, 64 * MIB))
+        try:
+            for in_flight in levels:
+                count = rooms_per_level if in_flight > 1 else max(8, rooms_per_level // 8)
+                got = interleaved(
+                    {v: partial(drive_block, s.bootstrap.url, in_flight, count) for v, s in stacks.items()},
+                    blocks,
+                )
+                section = f"control plane, {in_flight} in flight"
+                for key, point, lower in (("rooms_per_s", "rooms/s", False), ("p50_ms", "p50 ms", True)):
+                    self.add(section, point, {v: [b[key] for b in got[v]] for v in got}, lower)
+        finally:
+            self.bench.close()
+
+    def model(self, levels: list[tuple[int, int]], max_tokens: int, blocks: int) -> None:
+        """Blocks of completions streamed from the tiny Llama: time to the first token."""
+        from launcher.tiny_model import write_tiny_model
+
+        path = str(write_tiny_model("llama", self.bench.workdir / "tiny-llama"))
+        args = ["--model", path, "--log-level", "WARNING"]
+        stacks = self.stacks("model", args, args, bootstrap=["--model", path])
+        try:
+            for concurrency, requests in levels:
+                samples = interleaved(
+                    {
+                        v: partial(ttft_p50_ms, s.bootstrap.url, concurrency, requests, max_tokens)
+                        for v, s in stacks.items()
+                    },
+                    blocks,
+                )
+                section = f"tiny Llama, {concurrency} concurrent, {requests} requests"
+                self.add(section, "TTFT p50 ms", samples, True)
+        finally:
+            self.bench.close()
+
+
+def host() -> dict[str, Any]:
+    return {
+        "cpus": len(os.sched_getaffinity(0)),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "transport": "tcp (loopback)",
+    }
+
+
+def against(ref: str, quick: bool, out: Path) -> int:
+    """This tree against ``ref``: the default stack's rooms and the control plane; a full run
+    adds plain ZMQ, verified KV, tensor parallelism and the model."""
+    started = time.time()
+    load_before = os.getloadavg()[0]
+    freeze_startup_heap()
+    sizes = [256, 1024] if quick else [256, 1024, 16 * 1024, 64 * 1024]
+    blocks = 3 if quick else 11
+    with worktree(ref) as old_tree, tempfile.TemporaryDirectory(prefix="kvroom-bench-") as tmp:
+        bench = Bench(quick, Path(tmp))
+        versions = Versions(bench, {"old": old_tree, "new": ROOT})
+        compared = {"old": {"ref": ref, **describe(old_tree)}, "new": describe(ROOT)}
+        print("rooms", flush=True)
+        versions.rooms("CURVE, KV not verified (the default)", sizes)
+        if not quick:
+            versions.rooms("plain ZMQ", sizes, secure=False)
+            versions.rooms("CURVE and --verify-kv", sizes, verify_kv=True)
+            print("tensor parallelism", flush=True)
+            for np_, nd, agreement in [(1, 1, "ipc"), (2, 2, "ipc"), (2, 4, "ipc"), (2, 4, "gloo")]:
+                versions.rooms(
+                    f"prefill TP {np_}, decode TP {nd}, ranks agree over {agreement}",
+                    [1024],
+                    ("--tp-size", str(np_), "--agreement", agreement),
+                    ("--tp-size", str(nd), "--agreement", agreement),
+                )
+        print("control plane", flush=True)
+        versions.control_plane([8] if quick else [1, 8, 64], 16 if quick else 512, blocks)
+        if not quick:
+            print("a Hugging Face model", flush=True)
+            versions.model([(1, 16), (16, 64)], max_tokens=8, blocks=blocks)
+    worse = [row for row in versions.rows if row["verdict"] == "worse"]
+    results = {
+        "machine": {**host(), "load_average": [load_before, os.getloadavg()[0]]},
+        "date": time.strftime("%Y-%m-%d", time.gmtime(started)),
+        "quick": quick,
+        "runs": bench.runs,
+        "blocks": blocks,
+        "seconds": round(time.time() - started, 1),
+        **compared,
+        "rows": versions.rows,
+        "verdict": "worse" if worse else "not worse",
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "against.json").write_text(json.dumps(results, indent=2))
+    write_against_report(results, out)
+    print((out / "against.md").read_text())
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
     parser.add_argument(
@@ -456,7 +632,14 @@ def main(argv: list[str] | None = None) -> int:
         help="small sizes and few runs: checks the benchmark works; prints no ratio",
     )
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument(
+        "--against",
+        metavar="REF",
+        help="this tree against the commit REF, side by side; writes against.{json,md}",
+    )
     args = parser.parse_args(argv)
+    if args.against:
+        return against(args.against, args.quick, args.out)
     quick = args.quick
     started = time.time()
     freeze_startup_heap()  # the client's own collector pauses would count as room latency
@@ -486,12 +669,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             bench.close()
     results = {
-        "machine": {
-            "cpus": len(os.sched_getaffinity(0)),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "transport": "tcp (loopback)",
-        },
+        "machine": host(),
         "date": time.strftime("%Y-%m-%d", time.gmtime(started)),
         "quick": quick,
         "runs": bench.runs,

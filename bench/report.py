@@ -15,7 +15,7 @@ def _table(headers: list[str], rows: list[list[Any]]) -> str:
     return "\n".join(lines)
 
 
-def _size(kib: int) -> str:
+def size_label(kib: int) -> str:
     return f"{kib // 1024} MiB" if kib >= 1024 else f"{kib} KiB"
 
 
@@ -43,7 +43,7 @@ def _targets(results: dict[str, Any]) -> str:
     large = [r for r in results["transfer"] if r["kv_kib"] >= 16 * 1024]
     judge(
         "16 MiB and up at ≥ 1.0x raw polled bytes/s",
-        ", ".join(f"{r['speed_vs_polled']:.2f}x at {_size(r['kv_kib'])}" for r in large),
+        ", ".join(f"{r['speed_vs_polled']:.2f}x at {size_label(r['kv_kib'])}" for r in large),
         all(r["speed_vs_polled"] >= 1.0 for r in large),
     )
     judge(
@@ -73,10 +73,67 @@ def _targets(results: dict[str, Any]) -> str:
     if big:
         judge(
             "--verify-kv adds ≤ 15% to 16 MiB and 64 MiB rooms",
-            ", ".join(f"{r['vs_default_ratio'] - 1:+.0%} at {_size(r['kv_kib'])}" for r in big),
+            ", ".join(f"{r['vs_default_ratio'] - 1:+.0%} at {size_label(r['kv_kib'])}" for r in big),
             all(r["vs_default_ratio"] <= 1.15 for r in big),
         )
     return _table(["target", "this run", ""], rows)
+
+
+def _value(value: float) -> str:
+    return f"{value:.0f}" if value >= 100 else f"{value:.2f}"
+
+
+def _version(side: dict[str, Any]) -> str:
+    subject = side["subject"] if len(side["subject"]) <= 80 else side["subject"][:77] + "..."
+    changes = " with local changes" if side["local_changes"] else ""
+    return f"`{side['commit'][:12]}`{changes} ({subject})"
+
+
+def write_against_report(results: dict[str, Any], out: Path) -> None:
+    """The side-by-side report of ``python -m bench --against REF`` (against.md)."""
+    m, rows = results["machine"], results["rows"]
+    worse = [r for r in rows if r["verdict"] == "worse"]
+    load = " to ".join(f"{x:.1f}" for x in m["load_average"])
+    parts = [
+        f"Host: {m['cpus']} CPUs, {m['platform']}, Python {m['python']}, {m['transport']}; "
+        f"{results['date']}; load average {load} over the run (other work on the host shows as spread)."
+        + (" Quick run: too few runs for a verdict to mean much." if results["quick"] else "")
+        + "\n",
+        f"Old: {results['old']['ref']}, {_version(results['old'])}  ",
+        f"New: {_version(results['new'])}\n",
+        f"Both versions' stacks up side by side, each running its own tree's code; a point's samples "
+        f"taken from each in turn, the order reversed every other run ({results['runs']} rooms a point, "
+        f"{results['blocks']} blocks a load point). new ÷ old: the median of the runs' ratios, each run's "
+        "two samples next to each other. Tolerance: three times that median's standard error, from the "
+        "ratios' interquartile range (sigma ≈ IQR / 1.35, a median's error ≈ 1.25 sigma / √runs). A row is "
+        "worse when its ratio is past 1 by more than its tolerance, in the direction that is worse.\n",
+        f"**Verdict: {results['verdict']}** "
+        + (
+            f"({len(worse)} of {len(rows)} rows worse: "
+            + "; ".join(f"{r['section']}, {r['point']}" for r in worse)
+            + ")"
+            if worse
+            else f"(all {len(rows)} rows within their tolerance or better)"
+        )
+        + "\n",
+        _table(
+            ["stacks", "point", "better", "old", "new", "new ÷ old", "tolerance", "verdict"],
+            [
+                [
+                    r["section"],
+                    r["point"],
+                    r["better"],
+                    _value(r["old"]),
+                    _value(r["new"]),
+                    f"{r['ratio']:.3f}",
+                    f"±{r['tolerance']:.3f}",
+                    r["verdict"],
+                ]
+                for r in rows
+            ],
+        ),
+    ]
+    (out / "against.md").write_text("\n".join(parts) + "\n")
 
 
 def write_report(results: dict[str, Any], out: Path) -> None:
@@ -99,7 +156,7 @@ def write_report(results: dict[str, Any], out: Path) -> None:
         headers += ["kvroom - raw polled", "kvroom bytes/s ÷ raw polled"]
     rows = []
     for r in results["transfer"]:
-        row = [_size(r["kv_kib"]), r["engine_writes"], f"{r['raw_ms']:.2f}", f"{r['raw_polled_ms']:.2f}"]
+        row = [size_label(r["kv_kib"]), r["engine_writes"], f"{r['raw_ms']:.2f}", f"{r['raw_polled_ms']:.2f}"]
         row += [f"{r['messages_ms']:.2f}", f"{r['kvroom_ms']:.2f}"]
         if compare:
             row += [f"{r['added_ms']:+.2f} ms", f"{r['speed_vs_polled']:.2f}"]
@@ -116,7 +173,7 @@ def write_report(results: dict[str, Any], out: Path) -> None:
         _table(
             ["KV per room", *[f"{n} ms" for n in stage_names]],
             [
-                [_size(r["kv_kib"]), *[f"{v:.3f}" for v in r["stages_ms"].values()]]
+                [size_label(r["kv_kib"]), *[f"{v:.3f}" for v in r["stages_ms"].values()]]
                 for r in results["transfer"]
             ],
         )
@@ -130,7 +187,7 @@ def write_report(results: dict[str, Any], out: Path) -> None:
         _table(
             headers,
             [
-                [_size(r["kv_kib"]), r["variant"], f"{r['kvroom_ms']:.2f}"]
+                [size_label(r["kv_kib"]), r["variant"], f"{r['kvroom_ms']:.2f}"]
                 + ([f"{r['vs_default_ms']:+.2f} ms", f"{r['vs_default_ratio']:.2f}x"] if compare else [])
                 for r in results["options"]
             ],
@@ -145,7 +202,7 @@ def write_report(results: dict[str, Any], out: Path) -> None:
             ["KV per room", "prefill TP", "decode TP", "ranks agree over", "writes", "kvroom ms"],
             [
                 [
-                    _size(r["kv_kib"]),
+                    size_label(r["kv_kib"]),
                     r["prefill_tp"],
                     r["decode_tp"],
                     r["agreement"],
@@ -256,7 +313,7 @@ def _plot(results: dict[str, Any], path: Path) -> None:
     ):
         ax.plot(sizes, [r["moved_kib"] * 1024 / (r[key] / 1000) / 1e9 for r in rows], style, label=label)
     ax.set_xscale("log", base=2)
-    ax.set_xticks(sizes, [_size(s) for s in sizes])
+    ax.set_xticks(sizes, [size_label(s) for s in sizes])
     ax.set_xlabel("KV per room")
     ax.set_ylabel("GB/s")
     ax.set_ylim(bottom=0)

@@ -1,6 +1,7 @@
 """The benchmark in quick mode, so it never rots. No timing is asserted."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -58,3 +59,45 @@ def test_quick_benchmark_produces_its_report(tmp_path):
         r for r in results["options"] if r["variant"] == "CURVE and --verify-kv" and r["kv_kib"] == 256
     )
     assert ("not met" in verify) == (row["vs_default_ms"] > 0.2)
+
+
+def test_against_a_commit_judges_both_versions_row_by_row(tmp_path):
+    head = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    scratch = tmp_path / "scratch"  # where the old version is checked out
+    scratch.mkdir()
+    out = subprocess.run(
+        [sys.executable, "-m", "bench", "--against", "HEAD", "--quick", "--out", str(tmp_path)],
+        cwd=ROOT,
+        env={**os.environ, "TMPDIR": str(scratch)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    results = json.loads((tmp_path / "against.json").read_text())
+    assert results["old"]["ref"] == "HEAD"
+    assert results["old"]["commit"] == results["new"]["commit"] == head
+    assert not results["old"]["local_changes"]  # a clean checkout of the commit
+    rows = results["rows"]
+    assert [(r["section"], r["point"]) for r in rows] == [
+        ("CURVE, KV not verified (the default)", "256 KiB room, request→SUCCESS ms"),
+        ("CURVE, KV not verified (the default)", "1 MiB room, request→SUCCESS ms"),
+        ("control plane, 8 in flight", "rooms/s"),
+        ("control plane, 8 in flight", "p50 ms"),
+    ]
+    for row in rows:
+        assert row["old"] > 0 and row["new"] > 0 and row["ratio"] > 0 and row["tolerance"] >= 0, row
+        assert row["verdict"] in {"not worse", "worse"}
+    assert [r["runs"] for r in rows] == [results["runs"]] * 2 + [results["blocks"]] * 2
+    assert results["verdict"] == ("worse" if any(r["verdict"] == "worse" for r in rows) else "not worse")
+    report = (tmp_path / "against.md").read_text()
+    assert f"`{head[:12]}`" in report and f"**Verdict: {results['verdict']}**" in report
+    table = [line for line in report.splitlines() if line.startswith("| ")][1:]
+    assert len(table) == len(rows)
+    assert all(line.split(" | ")[-1].rstrip(" |") in {"not worse", "worse"} for line in table)
+    assert not (tmp_path / "results.json").exists()  # the benchmark's own report is left as it was
+    worktrees = subprocess.run(["git", "worktree", "list"], cwd=ROOT, capture_output=True, text=True).stdout
+    # The old version's checkout is gone.
+    assert str(scratch) not in worktrees and not list(scratch.glob("kvroom-against-*"))
