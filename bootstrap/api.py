@@ -9,12 +9,23 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 from fastapi import APIRouter, Depends, Header, HTTPException, Query, Request, Response
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
 from bootstrap import rooms
 from bootstrap.cluster import Cluster
 from bootstrap.placement import NoCapacity, NoLiveNode
+from bootstrap.plain_request import (
+    VALIDATION_ERROR,
+    Errors,
+    PlainRoute,
+    json_body,
+    json_body_entry,
+    parameter,
+    query,
+    validate,
+)
 from bootstrap.registry import Incompatible, Node
 from bootstrap.store import RoomData, StoreUnavailable
 from bootstrap.validation import PromptText, check_room, encode
@@ -39,9 +50,13 @@ async def join_token_checked(cluster: ClusterDep, authorization: Authorization =
         raise HTTPException(401, "a node must present the cluster's join token", headers=UNAUTHORIZED)
 
 
-async def api_key_checked(cluster: ClusterDep, authorization: Authorization = None) -> None:
+def check_api_key(cluster: Cluster, authorization: str | None) -> None:
     if cluster.api_key is not None and not secrets_match(bearer(authorization), cluster.api_key):
         raise HTTPException(401, "a valid API key is required", headers=UNAUTHORIZED)
+
+
+async def api_key_checked(cluster: ClusterDep, authorization: Authorization = None) -> None:
+    check_api_key(cluster, authorization)
 
 
 StateName = Literal["FAILED", "BOOTSTRAPPING", "WAITING_FOR_INPUT", "TRANSFERRING", "SUCCESS"]
@@ -73,6 +88,8 @@ class RoomRequest(BaseModel):
 nodes = APIRouter(tags=["nodes"], dependencies=[Depends(join_token_checked)])
 nodes_open = APIRouter(tags=["nodes"])
 rooms_router = APIRouter(tags=["rooms"], dependencies=[Depends(api_key_checked)])
+# The routes every client calls per room: they take the raw request and check it themselves.
+hot_rooms = APIRouter(tags=["rooms"], route_class=PlainRoute)
 ops = APIRouter(tags=["operations"])
 
 
@@ -120,7 +137,10 @@ async def list_nodes(cluster: ClusterDep) -> list[dict[str, Any]]:
     return [node.view() for node in await cluster.nodes()]
 
 
-WaitQuery = Annotated[float, Query(ge=0, description="seconds to wait for the room to finish")]
+WAIT = TypeAdapter(Annotated[float, Field(ge=0)])
+ROOM_ID = TypeAdapter(int)
+ROOM_REQUEST = TypeAdapter(RoomRequest)
+WAIT_PARAMETER = parameter("wait", "query", WAIT, 0, "seconds to wait for the room to finish")
 
 
 async def room_view(cluster: Cluster, room: RoomData) -> dict[str, Any]:
@@ -163,9 +183,22 @@ async def place(
         raise HTTPException(503, str(exc), headers={"Retry-After": "1"}) from exc
 
 
-@rooms_router.post("/rooms", status_code=201, response_class=Response)
-async def create_room(body: RoomRequest, cluster: ClusterDep, wait: WaitQuery = 0) -> Response:
+@hot_rooms.post(
+    "/rooms",
+    status_code=201,
+    response_class=Response,
+    responses=VALIDATION_ERROR,
+    openapi_extra={"parameters": [WAIT_PARAMETER], "requestBody": json_body_entry(ROOM_REQUEST)},
+)
+async def create_room(request: Request) -> Response:
     """Create a room; with ``?wait=`` answer once it finished or the wait ran out."""
+    cluster: Cluster = request.app.state.cluster
+    check_api_key(cluster, request.headers.get("authorization"))
+    errors: Errors = []
+    wait = query(request, "wait", WAIT, 0, errors)
+    body: RoomRequest = await json_body(request, ROOM_REQUEST, errors)
+    if errors:
+        raise RequestValidationError(errors)
     check_wait(cluster, wait)  # before the room is placed
     room = await place(cluster, body.tokens(cluster), body.max_new_tokens, [], False)
     return await room_response(cluster, await wait_finished(cluster, room, wait), 201)
@@ -178,9 +211,21 @@ async def _room(cluster: Cluster, room_id: int) -> RoomData:
     return room
 
 
-@rooms_router.get("/rooms/{room}", response_class=Response)
-async def get_room(room: int, cluster: ClusterDep, wait: WaitQuery = 0) -> Response:
+@hot_rooms.get(
+    "/rooms/{room}",
+    response_class=Response,
+    responses=VALIDATION_ERROR,
+    openapi_extra={"parameters": [parameter("room", "path", ROOM_ID), WAIT_PARAMETER]},
+)
+async def get_room(request: Request) -> Response:
     """The room; with ``?wait=`` answer once it finished or the wait ran out."""
+    cluster: Cluster = request.app.state.cluster
+    check_api_key(cluster, request.headers.get("authorization"))
+    errors: Errors = []
+    room = validate(ROOM_ID, request.path_params["room"], ("path", "room"), errors)
+    wait = query(request, "wait", WAIT, 0, errors)
+    if errors:
+        raise RequestValidationError(errors)
     check_wait(cluster, wait)
     found = await _room(cluster, room)
     return await room_response(cluster, await wait_finished(cluster, found, wait))

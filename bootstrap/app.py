@@ -15,7 +15,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from bootstrap import api, openai_api, status_page
 from bootstrap.cluster import Cluster
-from bootstrap.fast_rooms import FastRooms
 from bootstrap.openai_api import OpenAIError, openai_error
 from bootstrap.settings import BootstrapSettings
 from bootstrap.store import StoreUnavailable
@@ -198,9 +197,10 @@ def create_app(settings: BootstrapSettings) -> FastAPI:
         description="Registers prefill and decode nodes and hands out rooms.",
         lifespan=lifespan,
         telemetry=NO_OPENTELEMETRY,
+        # The app's own routes, matched before its included routers: every client calls these per room.
+        routes=api.hot_rooms.routes,
     )
-    app.add_middleware(FastRooms)
-    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)  # added last: it runs first
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     app.add_exception_handler(RequestValidationError, invalid_request)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(OpenAIError, openai_error)

@@ -15,6 +15,7 @@ JOIN = "join-secret-for-tests"
 KEY = "client-api-key"
 AUTH = {"Authorization": f"Bearer {JOIN}"}
 CLIENT = {"Authorization": f"Bearer {KEY}"}
+JSON = {"content-type": "application/json"}
 
 
 def model(**changes):
@@ -193,6 +194,62 @@ def test_unknown_room_is_404(client):
     assert client.get("/rooms/not-a-number").status_code == 422
     assert client.get("/rooms", params={"state": "DONE"}).status_code == 422
     assert client.get("/rooms", params={"limit": 0}).status_code == 422
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "params", "body", "headers", "status", "locs"),
+    [
+        ("POST", "/rooms", {"wait": "soon"}, b'{"prompt": "a"}', JSON, 422, [["query", "wait"]]),
+        (
+            "POST",
+            "/rooms",
+            {"wait": "-1"},
+            b'{"prompt": 5}',
+            JSON,
+            422,
+            [["query", "wait"], ["body", "prompt"]],
+        ),
+        (
+            "POST",
+            "/rooms",
+            {"wait": "-1"},
+            b'{"prompt": "a"',
+            JSON,
+            422,
+            [["body", 14]],
+        ),  # not JSON: that alone
+        ("POST", "/rooms", {}, b'{"prompt": "a"}', {}, 422, [["body"]]),  # not declared JSON
+        ("POST", "/rooms", {}, b"", JSON, 422, [["body"]]),
+        ("POST", "/rooms", {}, b"[" * 5000 + b"]" * 5000, JSON, 400, None),  # nested too deep to parse
+        ("GET", "/rooms/" + "9" * 5000, {}, b"", {}, 422, [["path", "room"]]),
+        ("GET", "/rooms/99999999999999999999", {}, b"", {}, 404, None),
+        ("GET", "/rooms/7", {"wait": "x"}, b"", {}, 422, [["query", "wait"]]),
+    ],
+)
+def test_the_room_routes_refuse_what_their_schema_refuses(
+    client, method, path, params, body, headers, status, locs
+):
+    two_nodes(client)
+    resp = client.request(method, path, params=params, content=body, headers=headers)
+    assert resp.status_code == status, resp.text
+    if locs is not None:
+        assert [error["loc"] for error in resp.json()["detail"]] == locs
+    assert client.get("/rooms").json() == []  # nothing was placed
+
+
+def test_the_room_routes_are_documented(client):
+    paths = client.get("/openapi.json").json()["paths"]
+    create, read = paths["/rooms"]["post"], paths["/rooms/{room}"]["get"]
+    assert [(p["name"], p["in"], p["required"]) for p in create["parameters"]] == [("wait", "query", False)]
+    body = create["requestBody"]["content"]["application/json"]["schema"]
+    assert set(body["properties"]) == {"prompt", "input_ids", "max_new_tokens"}
+    assert body["additionalProperties"] is False
+    assert [(p["name"], p["in"], p["required"]) for p in read["parameters"]] == [
+        ("room", "path", True),
+        ("wait", "query", False),
+    ]
+    assert read["parameters"][1]["schema"]["minimum"] == 0
+    assert {"201", "422"} <= set(create["responses"]) and {"200", "422"} <= set(read["responses"])
 
 
 def test_body_far_too_large_is_413(client):
