@@ -5,6 +5,12 @@ weights come from ``torch.manual_seed(seed)``; the same arguments give
 byte-identical files. For tests and demos, never for quality.
 
     python -m launcher.tiny_model --arch llama|qwen2 --out DIR [--seed N]
+        [--head-dim D] [--layers L] [--heads H] [--kv-heads K]
+
+The hidden size is ``heads * head_dim`` (Qwen2 derives the head size from it), the
+MLP twice that. The defaults (2 layers, 4 heads of 16, 2 KV heads) make a 64-wide
+model; vLLM's CPU attention refuses a head size of 16, so a checkpoint for vLLM
+takes ``--head-dim 64`` (its sizes: 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512).
 """
 
 import argparse
@@ -41,6 +47,9 @@ QWEN2_PRETOKENIZE_REGEX = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
     r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
+# The default shape: small enough for a unit test, and byte-identical to the checkpoints of
+# earlier releases.
+HEAD_DIM, LAYERS, HEADS, KV_HEADS = 16, 2, 4, 2
 INIT_STD = 0.1  # above HF's 0.02, so outputs depend on the whole context, not just the last token
 BIAS_STD = 0.1  # Qwen2's q/k/v biases start at zero; random ones make them matter
 
@@ -128,16 +137,32 @@ def train_tokenizer() -> Tokenizer:
     return tokenizer
 
 
-def model_config(arch: str, vocab_size: int) -> PretrainedConfig:
+def model_config(
+    arch: str,
+    vocab_size: int,
+    *,
+    head_dim: int = HEAD_DIM,
+    layers: int = LAYERS,
+    heads: int = HEADS,
+    kv_heads: int = KV_HEADS,
+) -> PretrainedConfig:
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}, expected one of {ARCHS}")
+    for name, value in [("head_dim", head_dim), ("layers", layers), ("heads", heads), ("kv_heads", kv_heads)]:
+        if value < 1:
+            raise ValueError(f"{name} must be at least 1, got {value}")
+    if head_dim % 2:
+        raise ValueError(f"head_dim must be even (rotary embeddings), got {head_dim}")
+    if heads % kv_heads:
+        raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
+    hidden_size = heads * head_dim
     shape: dict[str, Any] = dict(
         vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=4096,
         tie_word_embeddings=False,
         bos_token_id=BOS_ID,
@@ -147,8 +172,8 @@ def model_config(arch: str, vocab_size: int) -> PretrainedConfig:
         dtype="float32",
     )
     if arch == "llama":
-        return LlamaConfig(head_dim=16, **shape)
-    return Qwen2Config(**shape)  # head_dim is hidden_size / num_attention_heads = 16
+        return LlamaConfig(head_dim=head_dim, **shape)
+    return Qwen2Config(**shape)  # head_dim is hidden_size / num_attention_heads
 
 
 def write_tokenizer(tokenizer: Tokenizer, out: Path) -> None:
@@ -167,9 +192,18 @@ def write_tokenizer(tokenizer: Tokenizer, out: Path) -> None:
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
-def write_tiny_model(arch: str, out: Path, seed: int = 0) -> Path:
+def write_tiny_model(
+    arch: str,
+    out: Path,
+    seed: int = 0,
+    *,
+    head_dim: int = HEAD_DIM,
+    layers: int = LAYERS,
+    heads: int = HEADS,
+    kv_heads: int = KV_HEADS,
+) -> Path:
     """Write the tokenizer and a random ``arch`` model drawn from ``seed`` into ``out``; return ``out``."""
-    config = model_config(arch, VOCAB_SIZE)
+    config = model_config(arch, VOCAB_SIZE, head_dim=head_dim, layers=layers, heads=heads, kv_heads=kv_heads)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer()
     assert tokenizer.get_vocab_size() == VOCAB_SIZE
@@ -198,9 +232,20 @@ def main() -> None:
     parser.add_argument("--arch", choices=ARCHS, required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--head-dim", type=int, default=HEAD_DIM, help=f"size of one attention head ({HEAD_DIM})"
+    )
+    parser.add_argument("--layers", type=int, default=LAYERS, help=f"decoder layers ({LAYERS})")
+    parser.add_argument("--heads", type=int, default=HEADS, help=f"query heads ({HEADS})")
+    parser.add_argument("--kv-heads", type=int, default=KV_HEADS, help=f"key/value heads ({KV_HEADS})")
     args = parser.parse_args()
+    shape = dict(head_dim=args.head_dim, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads)
+    try:
+        model_config(args.arch, VOCAB_SIZE, **shape)  # a bad shape is a usage error, before any work
+    except ValueError as exc:
+        parser.error(str(exc))
     hf_logging.disable_progress_bar()
-    print(write_tiny_model(args.arch, args.out, args.seed))
+    print(write_tiny_model(args.arch, args.out, args.seed, **shape))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from launcher import tiny_model
 from launcher.tiny_model import ARCHS, write_tiny_model
 
 REPO = Path(__file__).resolve().parents[3]
@@ -139,3 +140,61 @@ def test_command_line_writes_the_same_checkpoint(checkpoints, tmp_path):
     for name in ["model.safetensors", "tokenizer.json"]:
         assert (out / name).read_bytes() == (checkpoints["qwen2"] / name).read_bytes(), name
     assert json.loads((out / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_shape_options_make_a_wider_model(tmp_path, arch):
+    # vLLM's CPU attention refuses a head size of 16 (the default); 64 is one it takes.
+    path = write_tiny_model(arch, tmp_path, head_dim=64, layers=3, heads=4, kv_heads=1)
+    config = json.loads((path / "config.json").read_text())
+    assert (config["num_hidden_layers"], config["num_attention_heads"], config["num_key_value_heads"]) == (
+        3,
+        4,
+        1,
+    )
+    assert (config["hidden_size"], config["intermediate_size"]) == (256, 512)
+    assert config.get("head_dim", config["hidden_size"] // config["num_attention_heads"]) == 64
+    weights = load_file(path / "model.safetensors")
+    assert weights["model.layers.2.self_attn.k_proj.weight"].shape == (64, 256)  # one KV head of 64
+    assert weights["model.layers.2.self_attn.q_proj.weight"].shape == (256, 256)
+    tokenizer, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path)
+    ids = tokenizer(PROMPTS[0], return_tensors="pt").input_ids
+    assert len(model.generate(ids, max_new_tokens=4, do_sample=False)[0]) == ids.shape[1] + 4
+
+
+def test_the_default_shape_is_the_one_before_the_options(checkpoints, tmp_path):
+    path = write_tiny_model("llama", tmp_path, head_dim=16, layers=2, heads=4, kv_heads=2)
+    assert (path / "model.safetensors").read_bytes() == (
+        checkpoints["llama"] / "model.safetensors"
+    ).read_bytes()
+    assert json.loads((path / "config.json").read_text())["head_dim"] == 16
+
+
+@pytest.mark.parametrize(
+    ("shape", "message"),
+    [
+        (dict(heads=4, kv_heads=3), "multiple of kv_heads"),
+        (dict(head_dim=15), "head_dim must be even"),
+        (dict(layers=0), "layers must be at least 1"),
+        (dict(kv_heads=0), "kv_heads must be at least 1"),
+    ],
+)
+def test_a_bad_shape_is_refused_before_any_file_is_written(tmp_path, shape, message):
+    with pytest.raises(ValueError, match=message):
+        write_tiny_model("qwen2", tmp_path / "out", **shape)
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_command_line_takes_the_shape_and_refuses_a_bad_one(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "cli"
+    argv = ["tiny_model", "--arch", "llama", "--out", str(out), "--head-dim", "64", "--layers", "1"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--heads", "2", "--kv-heads", "2"])
+    tiny_model.main()
+    assert capsys.readouterr().out.strip() == str(out)
+    config = json.loads((out / "config.json").read_text())
+    assert (config["head_dim"], config["num_hidden_layers"], config["num_attention_heads"]) == (64, 1, 2)
+    monkeypatch.setattr(sys, "argv", [*argv, "--heads", "3", "--kv-heads", "2"])
+    with pytest.raises(SystemExit) as exit_info:
+        tiny_model.main()
+    assert exit_info.value.code == 2
+    assert "heads (3) must be a multiple of kv_heads (2)" in capsys.readouterr().err
