@@ -496,7 +496,7 @@ class Versions:
 
     def add(self, section: str, point: str, samples: dict[str, list[float]], lower_is_better: bool) -> None:
         row = compare(samples["old"], samples["new"], lower_is_better)
-        self.rows.append({"section": section, "point": point, "runs": len(samples["old"]), **row})
+        self.rows.append({"section": section, "point": point, **row, "samples": samples})
 
     def rooms(
         self,
@@ -514,10 +514,10 @@ class Versions:
         )
         clients = {version: stack.client() for version, stack in stacks.items()}
         try:
-            for client in clients.values():
-                self.bench.room(client, 1)  # the engines' connection, opened once
             for size_kib in sizes_kib:
                 tokens = size_kib * KIB // layout.page_bytes
+                for client in clients.values():
+                    self.bench.room(client, tokens)  # untimed: the engines' connection, the pages' first use
                 samples = interleaved(
                     {version: partial(success_ms, client, tokens) for version, client in clients.items()},
                     self.bench.runs,

@@ -90,7 +90,8 @@ def test_against_a_commit_judges_both_versions_row_by_row(tmp_path):
     for row in rows:
         assert row["old"] > 0 and row["new"] > 0 and row["ratio"] > 0 and row["tolerance"] >= 0, row
         assert row["verdict"] in {"not worse", "worse"}
-    assert [r["runs"] for r in rows] == [results["runs"]] * 2 + [results["blocks"]] * 2
+    runs = [results["runs"]] * 2 + [results["blocks"]] * 2  # rooms, then blocks of rooms
+    assert [len(r["samples"]["old"]) for r in rows] == [len(r["samples"]["new"]) for r in rows] == runs
     assert results["verdict"] == ("worse" if any(r["verdict"] == "worse" for r in rows) else "not worse")
     report = (tmp_path / "against.md").read_text()
     assert f"`{head[:12]}`" in report and f"**Verdict: {results['verdict']}**" in report
