@@ -20,6 +20,7 @@ import datetime
 import logging
 import multiprocessing
 import os
+import shutil
 import signal
 import tempfile
 from collections.abc import Iterator
@@ -186,6 +187,7 @@ async def _leader(role: Role, settings: NodeSettings) -> None:
         for process in children:
             process.join(10)
         node.close()
+        shutil.rmtree(link_dir, ignore_errors=True)
         log.info("%s node %s stopped", role.name, node.node_id)
 
 
