@@ -362,7 +362,7 @@ class DecodeService(RankService):
         self.check_rank(msg.rank, msg.room)
         job = self.fenced.get(msg.room) or self.rooms.live.get(msg.room)
         lease = job.leases.get(msg.prefill_rank) if isinstance(job, DecodeJob) else None
-        if job is None or lease is None or not lease.open:
+        if not isinstance(job, DecodeJob) or lease is None or not lease.open:
             raise RejectedMessage("release for a room holding no lease", room=msg.room, kind="unknown_room")
         self.check_sender(sender, job.prefill_ranks[msg.prefill_rank], msg.room)
         lease.returned()

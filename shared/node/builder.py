@@ -17,6 +17,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 
@@ -158,7 +159,7 @@ class Node:
         )
         role.gauges(metrics, self)
 
-    def health(self) -> dict[str, object]:
+    def health(self) -> dict[str, Any]:
         return self.leader.health(self.membership)
 
     def rank_died(self, rank: int, how: str) -> None:
