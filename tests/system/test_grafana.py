@@ -24,12 +24,12 @@ EXTRA_GAUGES = {
     "bootstrap": ["kvroom_live_prefill_nodes", "kvroom_live_decode_nodes"],
 }
 GAUGE_SOURCES = {
-    "kvroom_free_pages": "shared/node/runtime.py",
-    "kvroom_total_pages": "shared/node/runtime.py",
-    "kvroom_free_aux_slots": "shared/node/runtime.py",
-    "kvroom_total_aux_slots": "shared/node/runtime.py",
-    "kvroom_live_prefill_nodes": "bootstrap/cluster.py",
-    "kvroom_live_decode_nodes": "bootstrap/cluster.py",
+    "kvroom_free_pages": "shared/node/builder.py",
+    "kvroom_total_pages": "shared/node/builder.py",
+    "kvroom_free_aux_slots": "decode_node/role.py",
+    "kvroom_total_aux_slots": "decode_node/role.py",
+    "kvroom_live_prefill_nodes": "bootstrap/registry.py",
+    "kvroom_live_decode_nodes": "bootstrap/registry.py",
 }
 # Labels Prometheus adds to every series it scrapes.
 TARGET_LABELS = {"instance", "job"}
