@@ -105,15 +105,20 @@ class RedisStore(Store):
 
     async def _listen(self) -> None:
         """Hear of every room any bootstrap changed; reconnect when Redis comes back."""
+        me = asyncio.current_task()
         while True:
             try:
-                pubsub = self._channel.pubsub()
-                await pubsub.subscribe(P + "events")
-                self.events.resync()  # what changed before the subscription was heard by no one
-                async for message in pubsub.listen():
-                    if message["type"] == "message":
-                        self.events.changed(int(message["data"]))
+                async with self._channel.pubsub() as pubsub:
+                    await pubsub.subscribe(P + "events")
+                    self.events.resync()  # what changed before the subscription was heard by no one
+                    async for message in pubsub.listen():
+                        if message["type"] == "message":
+                            self.events.changed(int(message["data"]))
             except (RedisError, OSError) as exc:
+                # The client can turn a cancel that lands mid-reconnect into a connection error:
+                # a cancelled listener must stop, or close() waits on it for ever.
+                if me is not None and me.cancelling():
+                    raise asyncio.CancelledError from exc
                 log.warning("lost the redis event channel (%s); retrying", exc)
                 await asyncio.sleep(0.5)
 
