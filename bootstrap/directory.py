@@ -56,8 +56,8 @@ class NodeDirectory:
             for b in [self._me, *others]
         ]
         unknown = []
-        if beat is not None and beat.rooms:
-            for transfer in beat.rooms:
+        if beat is not None and beat.transfers:
+            for transfer in beat.transfers:
                 room_id = await self._store.room_of(transfer)
                 room = await self._store.room(room_id) if room_id is not None else None
                 if room is None or room.done or room.attempt.transfer != transfer:
@@ -67,7 +67,7 @@ class NodeDirectory:
             bootstraps=bootstraps,
             node_ttl_s=self._settings.node_ttl_s,
             epoch=await self._store.epoch(),
-            unknown_rooms=unknown,
+            unknown_transfers=unknown,
         )
 
     async def register(self, reg: NodeRegistration) -> Node:

@@ -208,12 +208,12 @@ class RoomLifecycle:
         node = self._registry.known(node_id) or await self._registry.node(node_id)
         if node is not None:
             self._outbox.abort(
-                node.leader, protocol.AbortRoom(room=transfer, rank=0, reason=reason, peer_gone=peer_gone)
+                node.leader, protocol.AbortRoom(transfer=transfer, rank=0, reason=reason, peer_gone=peer_gone)
             )
 
     def _count_end(self, room: RoomData) -> None:
         self._in_flight = max(0, self._in_flight - 1)
-        state = "FAILED" if room.outcome == "failed" or room.state == RoomState.FAILED else "SUCCESS"
+        state = "FAILED" if room.failed else "SUCCESS"
         self._metrics.room_seconds.labels(state).observe(time.time() - room.created)
         self._metrics.transitioned(state)
         if state == "FAILED":

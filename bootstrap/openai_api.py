@@ -21,7 +21,6 @@ from pydantic import BaseModel, ConfigDict, Field
 from bootstrap.api import ClusterDep, api_key_checked, place
 from bootstrap.store import RoomData
 from bootstrap.validation import PromptText, Refused, Stop, Text, check_room, encode
-from shared.room.states import RoomState
 
 router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Depends(api_key_checked)])
 
@@ -105,15 +104,11 @@ def _cut(text: str, stops: list[str]) -> str:
     return text[:at]
 
 
-def _failed(room: RoomData) -> bool:
-    return room.state == RoomState.FAILED or room.outcome == "failed"
-
-
 async def _finished(cluster: Any, room: RoomData) -> RoomData:
     done = await cluster.wait(room.room, cluster.settings.request_timeout_s, lambda r: r.done)
     if done is None or not done.done:
         raise OpenAIError(504, f"room {room.room} did not finish in time", "server_error")
-    if _failed(done):
+    if done.failed:
         raise OpenAIError(502, f"room {room.room} failed: {done.reason}", "server_error", code=done.reason)
     return done
 
@@ -181,7 +176,7 @@ async def _events(
                 break
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(changed.wait(), left)
-    if room is None or not room.done or _failed(room):
+    if room is None or not room.done or room.failed:
         reason = room.reason if room is not None else "unknown"
         error = {
             "message": f"room {room_id} failed: {reason or 'timeout'}",

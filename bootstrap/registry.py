@@ -25,9 +25,9 @@ class Node:
         self.alive = True
         self.load = Load()
         # Room assignments go to the node's leader, rank 0, which hands them to its ranks.
-        self.leader = reg.ranks[0].peer()
+        self.leader = reg.ranks[0]
         # Built once: every room placed here names them to its peer node.
-        self.peers = [r.peer() for r in reg.ranks]
+        self.peers = list(reg.ranks)
 
     @property
     def id(self) -> str:
@@ -81,7 +81,7 @@ class Node:
             "tp_size": self.reg.tp_size,
             "ranks": [
                 {
-                    **r.model_dump(),
+                    **msgspec.structs.asdict(r),
                     "alive": self.alive and (ranks[r.rank].alive if r.rank in ranks else True),
                     "free_pages": ranks[r.rank].free_pages if r.rank in ranks else None,
                 }

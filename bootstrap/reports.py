@@ -75,13 +75,13 @@ class ReportIntake:
 
     async def _apply_reports(self, node: Node, reports: list[protocol.RoomStatus]) -> None:
         for status in reports:
-            room_id = await self._store.room_of(status.room)
+            room_id = await self._store.room_of(status.transfer)
             failed: str | None = None
             before_success = False
 
             def change(room: RoomData, status: protocol.RoomStatus = status) -> bool:
                 nonlocal failed, before_success
-                index = rooms.attempt_of(room, status.room)
+                index = rooms.attempt_of(room, status.transfer)
                 attempt = room.attempts[index]
                 if node.id not in (attempt.prefill, attempt.decode):
                     return False
@@ -98,9 +98,9 @@ class ReportIntake:
                 self._metrics.rejected.labels("unknown_room").inc()
                 log.warning(
                     "room=%d report from %s for a room it does not hold",
-                    status.room,
+                    status.transfer,
                     node.id,
-                    extra={"room": status.room},
+                    extra={"room": status.transfer},
                 )
                 continue
             if room.state == RoomState.SUCCESS and not before_success:
@@ -112,6 +112,6 @@ class ReportIntake:
 
     async def _add_tokens(self, chunks: list[protocol.TokenChunk]) -> None:
         for chunk in chunks:
-            room_id = await self._store.room_of(chunk.room)
+            room_id = await self._store.room_of(chunk.transfer)
             if room_id is not None:
                 await self._store.add_tokens(room_id, chunk.offset, chunk.tokens)

@@ -19,6 +19,7 @@ from typing import Protocol
 import msgspec
 
 from shared.errors import KvroomError
+from shared.room.states import failed
 
 Change = Callable[["RoomData"], bool]  # mutates the room; True if it changed anything
 
@@ -65,6 +66,10 @@ class RoomData(msgspec.Struct):
     @property
     def attempt(self) -> Attempt:
         return self.attempts[-1]
+
+    @property
+    def failed(self) -> bool:
+        return failed(self.state, self.outcome)
 
 
 class NodeData(msgspec.Struct):

@@ -48,7 +48,7 @@ MAX_PAGES_PER_MESSAGE = 100_000
 
 class DecodeJob(RankRoom):
     def __init__(self, msg: protocol.DecodeRoom, service: "DecodeService"):
-        super().__init__(msg.room, service.room_changed)
+        super().__init__(msg.transfer, service.room_changed)
         self.prompt_len = msg.prompt_len
         self.max_new_tokens = msg.max_new_tokens
         self.stop = msg.stop
@@ -118,7 +118,7 @@ class DecodeService(RankService):
             raise RejectedMessage(f"a decode node does not take {type(msg).__name__}", kind="unexpected")
 
     def handle_peer(self, msg: protocol.Message, aux: memoryview | None, sender: str | None) -> None:
-        if isinstance(msg, protocol.KvDone):
+        if isinstance(msg, protocol.DoneAux):
             self._on_done(msg, aux, sender)
         elif isinstance(msg, protocol.TransferAccepted):
             self._on_accepted(msg, sender)
@@ -128,7 +128,7 @@ class DecodeService(RankService):
             self._on_released(msg, sender)
         elif isinstance(msg, protocol.AbortRoom):
             raise RejectedMessage(
-                "an abort from a key that is not the bootstrap's", room=msg.room, kind="unauthorized"
+                "an abort from a key that is not the bootstrap's", room=msg.transfer, kind="unauthorized"
             )
         else:
             raise RejectedMessage(f"a decode rank does not take {type(msg).__name__}", kind="unexpected")
@@ -155,8 +155,8 @@ class DecodeService(RankService):
         return job
 
     def _on_room(self, msg: protocol.DecodeRoom) -> None:
-        if self.rooms.find(msg.room) is not None or msg.room in self.fenced:
-            raise RejectedMessage("room already known", room=msg.room, kind="duplicate")
+        if self.rooms.find(msg.transfer) is not None or msg.transfer in self.fenced:
+            raise RejectedMessage("room already known", room=msg.transfer, kind="duplicate")
         job = DecodeJob(msg, self)
         self.rooms.add(job)
         ranks = [job.prefill_ranks.get(r) for r in range(len(job.prefill_ranks))]
@@ -182,7 +182,7 @@ class DecodeService(RankService):
         job.timings["requested_at"] = time.time()
         for prefill_rank, slot in job.slots.items():
             request = protocol.TransferRequest(
-                room=job.id,
+                transfer=job.id,
                 rank=prefill_rank,
                 decode_rank=self.rank.index,
                 kv_base_ptr=self.pool.base_ptr,
@@ -204,7 +204,7 @@ class DecodeService(RankService):
             if self.rank.send(peer, msg):
                 continue
             for request in run:
-                job = self.rooms.live.get(request.room)
+                job = self.rooms.live.get(request.transfer)
                 if job is not None:
                     assert isinstance(job, DecodeJob)
                     self.set_local(job, RoomState.FAILED, FailureReason.PEER_LOST)
@@ -221,7 +221,7 @@ class DecodeService(RankService):
         return self._job_for(room, rank, prefill_rank, sender)
 
     def _on_accepted(self, msg: protocol.TransferAccepted, sender: str | None) -> None:
-        job = self._progress_job(msg.room, msg.rank, msg.prefill_rank, sender)
+        job = self._progress_job(msg.transfer, msg.rank, msg.prefill_rank, sender)
         if job is None:
             return
         if msg.prefill_rank not in job.unaccepted:
@@ -231,12 +231,12 @@ class DecodeService(RankService):
             self.set_local(job, RoomState.WAITING_FOR_INPUT)
 
     def _on_started(self, msg: protocol.TransferStarted, sender: str | None) -> None:
-        job = self._progress_job(msg.room, msg.rank, msg.prefill_rank, sender)
+        job = self._progress_job(msg.transfer, msg.rank, msg.prefill_rank, sender)
         if job is not None:
             self.set_local(job, RoomState.TRANSFERRING)
 
-    def _on_done(self, msg: protocol.KvDone, record: memoryview | None, sender: str | None) -> None:
-        job = self._job_for(msg.room, msg.rank, msg.prefill_rank, sender)
+    def _on_done(self, msg: protocol.DoneAux, record: memoryview | None, sender: str | None) -> None:
+        job = self._job_for(msg.transfer, msg.rank, msg.prefill_rank, sender)
         job.timings.setdefault("done_received_at", time.time())
         p = msg.prefill_rank
         earlier = job.landed.get(p)
@@ -284,7 +284,7 @@ class DecodeService(RankService):
         self,
         job: DecodeJob,
         p: int,
-        msg: protocol.KvDone,
+        msg: protocol.DoneAux,
         landed: bytes | None,
         pending: "concurrent.futures.Future[list[int]]",
     ) -> None:
@@ -300,7 +300,7 @@ class DecodeService(RankService):
         self,
         job: DecodeJob,
         p: int,
-        msg: protocol.KvDone,
+        msg: protocol.DoneAux,
         landed: bytes | None,
         pending: "concurrent.futures.Future[list[int]]",
     ) -> None:
@@ -359,12 +359,14 @@ class DecodeService(RankService):
         self.set_local(job, RoomState.SUCCESS, digest=record_digest(verdict.record))
 
     def _on_released(self, msg: protocol.RoomReleased, sender: str | None) -> None:
-        self.check_rank(msg.rank, msg.room)
-        job = self.fenced.get(msg.room) or self.rooms.live.get(msg.room)
+        self.check_rank(msg.rank, msg.transfer)
+        job = self.fenced.get(msg.transfer) or self.rooms.live.get(msg.transfer)
         lease = job.leases.get(msg.prefill_rank) if isinstance(job, DecodeJob) else None
         if not isinstance(job, DecodeJob) or lease is None or not lease.open:
-            raise RejectedMessage("release for a room holding no lease", room=msg.room, kind="unknown_room")
-        self.check_sender(sender, job.prefill_ranks[msg.prefill_rank], msg.room)
+            raise RejectedMessage(
+                "release for a room holding no lease", room=msg.transfer, kind="unknown_room"
+            )
+        self.check_sender(sender, job.prefill_ranks[msg.prefill_rank], msg.transfer)
         lease.returned()
         if msg.reason and not job.state.terminal:
             # The prefill gave the room up: it cannot succeed any more.
@@ -374,10 +376,10 @@ class DecodeService(RankService):
             self._release(job)
 
     def _on_abort(self, msg: protocol.AbortRoom) -> None:
-        job = self.rooms.live.get(msg.room)
+        job = self.rooms.live.get(msg.transfer)
         if job is None:
-            if self.rooms.find(msg.room) is None and msg.room not in self.fenced:
-                self.rooms.ended_unseen(msg.room, msg.reason)
+            if self.rooms.find(msg.transfer) is None and msg.transfer not in self.fenced:
+                self.rooms.ended_unseen(msg.transfer, msg.reason)
             return
         assert isinstance(job, DecodeJob)
         if msg.peer_gone:
@@ -478,7 +480,7 @@ class DecodeService(RankService):
         self.requests.flush()
         for prefill_rank, lease in job.leases.items():
             if lease.open:
-                revoke = protocol.RevokeLease(room=job.id, rank=prefill_rank, reason=str(reason))
+                revoke = protocol.RevokeLease(transfer=job.id, rank=prefill_rank, reason=str(reason))
                 self.rank.send(job.prefill_ranks[prefill_rank], revoke)
                 lease.ask_back(self.settings.lease_timeout_s)
         self._release(job)

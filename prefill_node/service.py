@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 class PrefillJob(RankRoom):
     def __init__(self, msg: protocol.PrefillRoom, service: "PrefillService"):
-        super().__init__(msg.room, service.room_changed)
+        super().__init__(msg.transfer, service.room_changed)
         self.input_ids = msg.input_ids
         self.decode_ranks = {peer.rank: peer for peer in msg.decode_ranks}
         self.targets: dict[int, HeadRange] = {}  # decode rank -> the heads we write into it
@@ -132,8 +132,8 @@ class PrefillService(RankService):
     # -- messages -----------------------------------------------------------------
 
     def _on_room(self, msg: protocol.PrefillRoom) -> None:
-        if self.rooms.find(msg.room) is not None:
-            raise RejectedMessage("room already known", room=msg.room, kind="duplicate")
+        if self.rooms.find(msg.transfer) is not None:
+            raise RejectedMessage("room already known", room=msg.transfer, kind="duplicate")
         job = PrefillJob(msg, self)
         self.rooms.add(job)
         try:
@@ -151,7 +151,7 @@ class PrefillService(RankService):
                 FailureReason.NO_CAPACITY if isinstance(exc, PoolExhausted) else FailureReason.PREFILL_FAILED,
             )
         self._compute(job)
-        for req, sender, _ in self.early.pop(msg.room, []):
+        for req, sender, _ in self.early.pop(msg.transfer, []):
             try:
                 self._on_request(req, sender)
             except RejectedMessage as exc:
@@ -212,17 +212,19 @@ class PrefillService(RankService):
             self._notify_later(job, decode_rank)
 
     def _on_request(self, req: protocol.TransferRequest, sender: str | None) -> None:
-        self.check_rank(req.rank, req.room)
-        job = self.rooms.live.get(req.room)
+        self.check_rank(req.rank, req.transfer)
+        job = self.rooms.live.get(req.transfer)
         if job is None:
-            if self.rooms.find(req.room) is not None:
-                raise RejectedMessage("transfer request for a finished room", room=req.room, kind="finished")
+            if self.rooms.find(req.transfer) is not None:
+                raise RejectedMessage(
+                    "transfer request for a finished room", room=req.transfer, kind="finished"
+                )
             if sum(len(v) for v in self.early.values()) >= self.settings.max_early_requests:
-                raise RejectedMessage("too many early transfer requests", room=req.room, kind="overload")
+                raise RejectedMessage("too many early transfer requests", room=req.transfer, kind="overload")
             # The bootstrap's hand-off may still be in flight on another socket; who sent
             # the request is checked when the room arrives.
             deadline = time.monotonic() + self.settings.early_request_ttl_s
-            self.early.setdefault(req.room, []).append((req, sender, deadline))
+            self.early.setdefault(req.transfer, []).append((req, sender, deadline))
             return
         assert isinstance(job, PrefillJob)
         self._validate_request(job, req, sender)
@@ -256,20 +258,22 @@ class PrefillService(RankService):
 
     def _on_abort(self, msg: protocol.AbortRoom) -> None:
         """From the bootstrap (its leader handed it on)."""
-        self.early.pop(msg.room, None)
-        job = self.rooms.find(msg.room)
+        self.early.pop(msg.transfer, None)
+        job = self.rooms.find(msg.transfer)
         if not isinstance(job, PrefillJob):  # never seen here, or ended before it came
             if job is None:
-                self.rooms.ended_unseen(msg.room, msg.reason)
+                self.rooms.ended_unseen(msg.transfer, msg.reason)
             return
         self._stop(job, msg.reason)
 
     def _on_revoke(self, msg: protocol.RevokeLease, sender: str | None) -> None:
         """A decode rank of the room wants the pages it lent back: the room failed there."""
-        job = self.rooms.find(msg.room)
+        job = self.rooms.find(msg.transfer)
         if not isinstance(job, PrefillJob):  # never seen here, or ended before it came
-            raise RejectedMessage("revocation for a room not known here", room=msg.room, kind="unknown_room")
-        self.check_rank(msg.rank, msg.room)
+            raise RejectedMessage(
+                "revocation for a room not known here", room=msg.transfer, kind="unknown_room"
+            )
+        self.check_rank(msg.rank, msg.transfer)
         peers = [p for p in job.decode_ranks.values() if p.public_key == sender]
         if not peers:
             raise RejectedMessage(
@@ -307,8 +311,8 @@ class PrefillService(RankService):
         )
         job.timings["engine_writes"] = job.timings.get("engine_writes", 0) + len(writes)
         # Done and aux travel in one message, which the worker sends once every write completed.
-        done = protocol.KvDone(
-            room=job.id,
+        done = protocol.DoneAux(
+            transfer=job.id,
             rank=decode_rank,
             prefill_rank=self.rank.index,
             aux_slot=req.aux_slot,
@@ -349,7 +353,7 @@ class PrefillService(RankService):
     def _transfer_finished(self, outcome: TransferOutcome) -> None:
         """On the event loop, after the worker wrote into one decode rank (and sent its done+aux)."""
         task = outcome.task
-        job = self.rooms.find(task.room)
+        job = self.rooms.find(task.transfer)
         assert isinstance(job, PrefillJob)
         job.writing.discard(task.decode_rank)
         if outcome.unresolved:
@@ -422,7 +426,7 @@ class PrefillService(RankService):
         job.released.add(decode_rank)
         reason = "" if job.state is RoomState.SUCCESS else job.reason or ""
         msg = protocol.RoomReleased(
-            room=job.id, rank=decode_rank, prefill_rank=self.rank.index, reason=reason
+            transfer=job.id, rank=decode_rank, prefill_rank=self.rank.index, reason=reason
         )
         self.rank.send(job.decode_ranks[decode_rank], msg)
 

@@ -60,11 +60,11 @@ class Digests:
 
 @dataclasses.dataclass
 class TransferTask:
-    room: int
+    transfer: int
     decode_rank: int
     peer: protocol.PeerRank
     writes: list[Write]
-    done: protocol.KvDone  # completed_at, bytes_written and digests are filled in by the worker
+    done: protocol.DoneAux  # completed_at, bytes_written and digests are filled in by the worker
     aux: bytes
     digests: Digests | None = None
 
@@ -166,7 +166,7 @@ class TransferWorker:
         live: list[tuple[TransferOutcome, Pending | None]] = []
         for task in tasks:
             outcome = TransferOutcome(task)
-            if task.room in self._cancelled:
+            if task.transfer in self._cancelled:
                 outcome.cancelled = True
                 yield outcome
                 continue
@@ -175,7 +175,7 @@ class TransferWorker:
             try:
                 live.append((outcome, task.digests.start() if task.digests is not None else None))
             except Exception as exc:  # never let one room end the worker
-                log.exception("room=%d transfer worker failed", task.room, extra={"room": task.room})
+                log.exception("room=%d transfer worker failed", task.transfer, extra={"room": task.transfer})
                 outcome.error = repr(exc)
                 yield outcome
         if not live:
@@ -196,7 +196,7 @@ class TransferWorker:
                     broken = exc
             if broken is not None:
                 # Its writes may still move, and the engine cannot be asked: the lease decides.
-                room = outcome.task.room
+                room = outcome.task.transfer
                 log.error("room=%d transfer engine failed: %r", room, broken, extra={"room": room})
                 outcome.error, outcome.unresolved = repr(broken), True
             else:
@@ -211,13 +211,13 @@ class TransferWorker:
             outcome.error = str(result)
             outcome.unresolved = True
             if result.pending:  # else the engine gives no way to ask: the room's lease decides
-                self._quarantine[(task.room, task.decode_rank)] = result.pending
+                self._quarantine[(task.transfer, task.decode_rank)] = result.pending
             return
         if isinstance(result, TransferError):
             outcome.error = str(result)
             return
         outcome.written = result
-        if task.room in self._cancelled:
+        if task.transfer in self._cancelled:
             outcome.cancelled = True
             return
         try:
@@ -231,7 +231,7 @@ class TransferWorker:
             frames = protocol.encode(done, task.aux)
             outcome.sent = self._push.send(task.peer.zmq_endpoint, task.peer.public_key, frames)
         except Exception as exc:  # never let one room end the worker
-            log.exception("room=%d transfer worker failed", task.room, extra={"room": task.room})
+            log.exception("room=%d transfer worker failed", task.transfer, extra={"room": task.transfer})
             outcome.error = repr(exc)
 
     def _poll_quarantine(self) -> None:

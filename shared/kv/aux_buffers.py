@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from shared.errors import AuxValidationError, PoolExhausted
 
-# room id (int64), first output token (int32), cached-token count (int32),
+# transfer id (int64), first output token (int32), cached-token count (int32),
 # logprob of the first token (float32), crc32 of the 20 bytes before it (uint32)
 AUX_RECORD = struct.Struct("<qiifI")
 _FIELDS = struct.Struct("<qiif")
@@ -23,13 +23,13 @@ _ZERO_RECORD = bytes(AUX_RECORD.size)  # what a freed slot holds
 
 @dataclass(frozen=True)
 class Aux:
-    room: int
+    transfer: int
     first_token: int
     cached_tokens: int
     logprob: float
 
     def pack(self) -> bytes:
-        fields = _FIELDS.pack(self.room, self.first_token, self.cached_tokens, self.logprob)
+        fields = _FIELDS.pack(self.transfer, self.first_token, self.cached_tokens, self.logprob)
         return fields + struct.pack("<I", zlib.crc32(fields))
 
 
@@ -42,10 +42,10 @@ def unpack(record: bytes | memoryview) -> Aux | None:
     """The record's fields, or None if it is not an intact record."""
     if len(record) != AUX_RECORD.size:
         return None
-    room, first, cached, logprob, crc = AUX_RECORD.unpack(record)
+    transfer, first, cached, logprob, crc = AUX_RECORD.unpack(record)
     if zlib.crc32(memoryview(record)[: _FIELDS.size]) != crc:
         return None
-    return Aux(room, first, cached, logprob)
+    return Aux(transfer, first, cached, logprob)
 
 
 class AuxBuffers:

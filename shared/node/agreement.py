@@ -89,18 +89,18 @@ class Leader:
     def contribute(self, rank: int, states: list[protocol.RankState]) -> None:
         changes = []
         for s in states:
-            if s.room in self._ended:
+            if s.transfer in self._ended:
                 continue
-            views = self._views.setdefault(s.room, {})
+            views = self._views.setdefault(s.transfer, {})
             views[rank] = RankView(RoomState(s.state), s.reason, s.digest)
             state, reason = node_verdict(views, self.world)
-            if self._agreed.get(s.room) == (state, reason):
+            if self._agreed.get(s.transfer) == (state, reason):
                 continue
-            self._agreed[s.room] = (state, reason)
-            changes.append(protocol.RankState(s.room, int(state), reason))
+            self._agreed[s.transfer] = (state, reason)
+            changes.append(protocol.RankState(s.transfer, int(state), reason))
             if state.terminal:
-                del self._views[s.room], self._agreed[s.room]
-                self._ended.add(s.room)
+                del self._views[s.transfer], self._agreed[s.transfer]
+                self._ended.add(s.transfer)
         if changes:
             self._deliver(changes)
 
@@ -131,7 +131,7 @@ class _Batched(Participant):
 
     def agreed(self, states: list[protocol.RankState]) -> None:
         for s in states:
-            self.on_agreed(s.room, RoomState(s.state), s.reason)
+            self.on_agreed(s.transfer, RoomState(s.state), s.reason)
 
 
 class LeaderParticipant(_Batched):
@@ -220,7 +220,7 @@ class GlooParticipant(Participant):
         rows = torch.zeros((GLOO_ROOMS, 4), dtype=torch.int64)
         with self._lock:
             for i, s in enumerate(list(self._table.values())[:GLOO_ROOMS]):
-                rows[i] = torch.tensor([s.room, s.state, _REASONS.index(s.reason), s.digest])
+                rows[i] = torch.tensor([s.transfer, s.state, _REASONS.index(s.reason), s.digest])
         return rows
 
     def _run(self) -> None:

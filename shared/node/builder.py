@@ -211,7 +211,7 @@ class Node:
                 "drain: %d rooms still in flight after %.1fs; failing them", len(left), settings.drain_grace_s
             )
             for room in left:
-                leader.assign(protocol.AbortRoom(room=room, rank=0, reason=FailureReason.SHUTDOWN))
+                leader.assign(protocol.AbortRoom(transfer=room, rank=0, reason=FailureReason.SHUTDOWN))
             await asyncio.sleep(0.1)  # their ends reach the reports
         self.link.flush()
         await asyncio.sleep(0.05)  # ZMQ sends are queued: let them leave before the sockets close

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import zmq
 
 from shared.cli import VERSION
@@ -22,7 +23,7 @@ from shared.node.rank import ASSIGNMENTS, RankService, assignments_in, refuse_as
 from shared.node.reports import BootstrapLink
 from shared.room.states import FailureReason
 from shared.wire import protocol
-from shared.wire.registration import Heartbeat, NodeRegistration, RankInfo, RankStatus
+from shared.wire.registration import Heartbeat, NodeRegistration, RankStatus
 from shared.wire.security import Security
 from shared.wire.zmq_io import PushSockets, bind_pull
 
@@ -81,7 +82,7 @@ class NodeLeader:
         self.link = link
         self.world = world
         self.links = links
-        self.ranks: dict[int, RankInfo] = {0: rank.info()}
+        self.ranks: dict[int, protocol.PeerRank] = {0: rank.info()}
         self.health_of: dict[int, protocol.RankHealth] = {}
         self.alive: dict[int, bool] = {r: r == 0 for r in range(world)}
         self.pids = {0: os.getpid(), **pids}
@@ -108,16 +109,16 @@ class NodeLeader:
         FAILED ``draining`` here, and the bootstrap places it elsewhere.
         """
         rooms = self.service.rooms
-        if self.draining and not isinstance(msg, protocol.AbortRoom) and rooms.find(msg.room) is None:
-            log.info("room=%d refused: the node drains", msg.room, extra={"room": msg.room})
+        if self.draining and not isinstance(msg, protocol.AbortRoom) and rooms.find(msg.transfer) is None:
+            log.info("room=%d refused: the node drains", msg.transfer, extra={"room": msg.transfer})
             self.service.metrics.failures.labels(FailureReason.DRAINING).inc()
-            self.link.report(rooms.ended_unseen(msg.room, FailureReason.DRAINING))
+            self.link.report(rooms.ended_unseen(msg.transfer, FailureReason.DRAINING))
             return
         if self.links is not None:
             self.links.broadcast(msg)
         self.service.handle_assignment(msg)
         if self.broken is not None and not isinstance(msg, protocol.AbortRoom):
-            self.assign(protocol.AbortRoom(room=msg.room, rank=0, reason=FailureReason.PEER_LOST))
+            self.assign(protocol.AbortRoom(transfer=msg.transfer, rank=0, reason=FailureReason.PEER_LOST))
 
     # -- the other ranks -----------------------------------------------------------------
 
@@ -129,14 +130,7 @@ class NodeLeader:
             self.health_of[msg.rank] = msg
         elif isinstance(msg, protocol.RankReady):
             p = msg.peer
-            self.ranks[p.rank] = RankInfo(
-                rank=p.rank,
-                session_id=p.session_id,
-                zmq_endpoint=p.zmq_endpoint,
-                public_key=p.public_key,
-                kv_head_start=p.kv_head_start,
-                kv_head_count=p.kv_head_count,
-            )
+            self.ranks[p.rank] = p
             self.alive[p.rank] = True
             log.info("rank %d ready: engine %s, zmq %s", p.rank, p.session_id, p.zmq_endpoint)
 
@@ -148,7 +142,7 @@ class NodeLeader:
         """Rooms the cluster no longer holds (its bootstrap forgot them): nobody waits for them."""
         for room in rooms:
             if room in self.service.rooms.live:
-                self.assign(protocol.AbortRoom(room=room, rank=0, reason=FailureReason.ORPHANED))
+                self.assign(protocol.AbortRoom(transfer=room, rank=0, reason=FailureReason.ORPHANED))
 
     def rank_died(self, rank: int, how: str) -> None:
         """A rank process ended: the node cannot serve any more; every room it holds fails."""
@@ -157,7 +151,7 @@ class NodeLeader:
             self.broken = f"rank {rank} {how}"
             log.error("%s: the node is broken; failing its rooms", self.broken)
         for room in list(self.service.rooms.live):
-            self.assign(protocol.AbortRoom(room=room, rank=0, reason=FailureReason.PEER_LOST))
+            self.assign(protocol.AbortRoom(transfer=room, rank=0, reason=FailureReason.PEER_LOST))
 
     # -- what the node says about itself ---------------------------------------------------
 
@@ -183,7 +177,7 @@ class NodeLeader:
         old = time.time() - SWEEP_AGE_S
         return Heartbeat(
             rooms_in_flight=len(self.service.rooms.live),
-            rooms=[r.id for r in self.service.rooms.live.values() if r.timestamps["BOOTSTRAPPING"] < old][
+            transfers=[r.id for r in self.service.rooms.live.values() if r.timestamps["BOOTSTRAPPING"] < old][
                 :4096
             ],
             free_pages=min(h.free_pages for h in healths),
@@ -231,7 +225,7 @@ class NodeLeader:
             "fenced_rooms": sum(h.fenced_rooms for h in healths),
             "ranks": [
                 {
-                    **self.ranks[r].model_dump(),
+                    **msgspec.structs.asdict(self.ranks[r]),
                     "alive": self.alive.get(r, False),
                     "pid": self.pids.get(r),
                     **(

@@ -96,11 +96,12 @@ class Membership:
             log.warning("reports may have been lost; reporting %d rooms again", len(rooms))
             for room in rooms:
                 self.link.report(room)
-        if registered.unknown_rooms:
+        if registered.unknown_transfers:
             log.warning(
-                "the cluster does not hold %d rooms of this node: ending them", len(registered.unknown_rooms)
+                "the cluster does not hold %d rooms of this node: ending them",
+                len(registered.unknown_transfers),
             )
-            self._orphaned(registered.unknown_rooms)
+            self._orphaned(registered.unknown_transfers)
 
     async def _register(self, client: httpx.AsyncClient) -> None:
         reg = self._registration()

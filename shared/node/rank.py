@@ -36,7 +36,6 @@ from shared.node.settings import NodeSettings
 from shared.room.record import Room, RoomTable
 from shared.room.states import RoomState
 from shared.wire import protocol
-from shared.wire.registration import RankInfo
 from shared.wire.security import Security, ZapHandler
 from shared.wire.zmq_io import PushSockets, bind_pull
 
@@ -88,9 +87,10 @@ class Rank:
         self.push = PushSockets(self.zmq, security)
         self.peers = peers or PeerSockets(self.push)
 
-    def info(self) -> RankInfo:
+    def info(self) -> protocol.PeerRank:
+        """How peers reach this rank: its registration entry, and its part of every assignment."""
         heads = self.source.kv_heads
-        return RankInfo(
+        return protocol.PeerRank(
             rank=self.index,
             session_id=self.engine.session_id,
             zmq_endpoint=self.settings.public_zmq_endpoint(self.index),
@@ -149,7 +149,7 @@ def refuse_assignment(msg: protocol.Assignments | Assignment, sender: str | None
     batch = assignments_in(msg)
     raise RejectedMessage(
         f"{type(msg).__name__} from {sender or 'an unknown sender'}, not the bootstrap",
-        room=batch[0].room if batch else None,
+        room=batch[0].transfer if batch else None,
         kind="unauthorized",
     )
 
@@ -257,7 +257,12 @@ class RankService(abc.ABC):
                 self.metrics.rejected.labels(exc.kind).inc()
                 name = type(item).__name__
                 log.warning(
-                    "room=%d dropped %s (%s): %s", item.room, name, exc.kind, exc, extra={"room": item.room}
+                    "room=%d dropped %s (%s): %s",
+                    item.transfer,
+                    name,
+                    exc.kind,
+                    exc,
+                    extra={"room": item.transfer},
                 )
 
     def check_rank(self, rank: int, room: int) -> None:

@@ -95,7 +95,7 @@ class BootstrapLink:
         for start in range(0, len(rooms), protocol.MAX_REPORTS):
             statuses = [
                 protocol.RoomStatus(
-                    room=room.id,
+                    transfer=room.id,
                     state=int(room.state),
                     reason=room.reason,
                     timestamps=room.timestamps,

@@ -113,11 +113,11 @@ def http_app(node: Node) -> FastAPI:
     async def metrics_page() -> Response:
         return Response(node.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/rooms/{room_id}")
-    async def room(room_id: int) -> dict[str, Any]:
-        found = node.service.rooms.find(room_id)
+    @app.get("/transfers/{transfer}")
+    async def transfer_view(transfer: int) -> dict[str, Any]:
+        found = node.service.rooms.find(transfer)
         if found is None:
-            raise HTTPException(404, f"room {room_id} is not known to this node")
+            raise HTTPException(404, f"transfer {transfer} is not known to this node")
         return found.view()
 
     return app
@@ -248,7 +248,7 @@ async def _follower(role: Role, settings: NodeSettings, index: int, link_dir: Pa
 
     pull = rank.bind()
     own = bind_pull(rank.zmq, rank_endpoint(link_dir, index))
-    peer = rank.info().peer()
+    peer = rank.info()
     send_leader(protocol.RankReady(peer))
 
     async def tell_health() -> None:

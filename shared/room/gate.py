@@ -33,7 +33,7 @@ class Landed:
 class Expected:
     """What a decode rank knows a room must deliver to it."""
 
-    room: int
+    transfer: int
     prompt_len: int
     vocab_size: int
     pages: int  # KV pages each prefill rank writes into this rank
@@ -81,8 +81,10 @@ def rank_verdict(expected: Expected, landed: Mapping[int, Landed]) -> Verdict:
             if got.record is not None:
                 corrupt.add(rank)
             continue
-        if aux.room != expected.room:
-            return Invalid(FailureReason.AUX_INVALID, f"aux holds room {aux.room}, expected {expected.room}")
+        if aux.transfer != expected.transfer:
+            return Invalid(
+                FailureReason.AUX_INVALID, f"aux holds transfer {aux.transfer}, expected {expected.transfer}"
+            )
         if aux.cached_tokens != expected.prompt_len:
             return Invalid(
                 FailureReason.AUX_INVALID,

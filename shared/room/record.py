@@ -5,7 +5,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from shared.room.states import FailureReason, RoomState, check_transition, forward_path
+from shared.room.states import FailureReason, RoomState, check_transition, forward_path, public_state
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +68,8 @@ class Room:
 
     def view(self) -> dict[str, object]:
         return {
-            "room": self.id,
-            "state": "FAILED" if self.outcome == "failed" else self.state.name,
+            "transfer": self.id,
+            "state": public_state(self.state, self.outcome),
             "transfer_state": self.state.name,
             "outcome": self.outcome,
             "reason": self.reason,

@@ -72,3 +72,14 @@ def forward_path(current: RoomState, target: RoomState) -> list[RoomState]:
     if current.terminal or target is S.FAILED or target <= current:
         return []
     return _FORWARD[_FORWARD.index(current) + 1 : _FORWARD.index(target) + 1]
+
+
+def failed(state: RoomState | int, outcome: str | None) -> bool:
+    """The one rule for a failed room: its transfer failed, or its request failed after the transfer
+    succeeded (the decode raised, its node was lost mid-decode)."""
+    return state == S.FAILED or outcome == "failed"
+
+
+def public_state(state: RoomState | int, outcome: str | None) -> str:
+    """A room's state as clients see it: the transfer state, FAILED once the room failed."""
+    return "FAILED" if failed(state, outcome) else RoomState(state).name

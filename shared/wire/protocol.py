@@ -38,6 +38,10 @@ Changelog
     5  REVOKE_LEASE: a decode rank asks a prefill rank for the pages it lent it
        back (the room failed); before, a peer's ABORT_ROOM meant that too. ABORT_ROOM
        now comes from the bootstrap only.
+    6  a node knows a room only by its placement attempt: every node-facing message,
+       report and rank state names it ``transfer`` (it was ``room``, the same number
+       but a different id from the client's room after a re-placement). KvDone is
+       DoneAux, the name of its kind.
 """
 
 import enum
@@ -52,8 +56,9 @@ from shared.errors import (
     UnknownMessageType,
     VersionMismatch,
 )
+from shared.kv.head_split import HeadRange
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 MAGIC = b"KVRM"
 _HEADER = struct.Struct("!4sHB")
 HEADER_BYTES = _HEADER.size
@@ -72,6 +77,8 @@ MAX_STOP_CHARS = 256
 # Room ids are exact in a float64 (JSON tools, JavaScript): below 2**53, never 0.
 MAX_ROOM_ID = (1 << 53) - 1
 RoomId = Annotated[int, msgspec.Meta(gt=0, le=MAX_ROOM_ID)]
+# A placement attempt of a room, the only id a node knows: a room placed again gets a new one.
+TransferId = Annotated[int, msgspec.Meta(gt=0, le=MAX_ROOM_ID)]
 Rank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_RANKS)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
 Digest = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
@@ -79,7 +86,9 @@ Token = Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
 DigestKind = Literal["xxh3", "wsum"]  # verify mode's page digests (shared.kv.digest)
 Head = Annotated[int, msgspec.Meta(ge=0, le=MAX_HEADS)]
 HeadCount = Annotated[int, msgspec.Meta(ge=1, le=MAX_HEADS)]
-Endpoint = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+# Where a rank's transfer engine (host:port) and its ZMQ socket (tcp://host:port) are reached.
+SessionId = Annotated[str, msgspec.Meta(min_length=3, max_length=256, pattern=r"^[^\s:]+:\d{1,5}$")]
+ZmqEndpoint = Annotated[str, msgspec.Meta(min_length=7, max_length=256, pattern=r"^tcp://[^\s]+:\d{1,5}$")]
 # A CURVE public key in Z85 (40 characters); empty where security is off.
 PublicKey = Annotated[str, msgspec.Meta(max_length=40)]
 Text = Annotated[str, msgspec.Meta(max_length=256)]
@@ -106,21 +115,26 @@ class Kind(enum.IntEnum):
     REVOKE_LEASE = 17
 
 
-class PeerRank(msgspec.Struct, frozen=True):
-    """One rank of a node as its peers reach it, and the KV heads it holds."""
+class PeerRank(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One rank of a node as its peers reach it, and the KV heads it holds: in the node's
+    registration, and in every assignment that names the room's peer ranks."""
 
     rank: Rank
-    session_id: Endpoint
-    zmq_endpoint: Endpoint
-    public_key: PublicKey
+    session_id: SessionId
+    zmq_endpoint: ZmqEndpoint
+    public_key: PublicKey  # empty where security is off
     kv_head_start: Head
     kv_head_count: HeadCount
+
+    @property
+    def heads(self) -> HeadRange:
+        return HeadRange(self.kv_head_start, self.kv_head_count)
 
 
 class PrefillRoom(msgspec.Struct, frozen=True):
     """Bootstrap -> a prefill node's leader: compute this prompt's KV for these decode ranks."""
 
-    room: RoomId
+    transfer: TransferId
     input_ids: Annotated[list[Token], msgspec.Meta(min_length=1, max_length=MAX_TOKENS)]
     decode_node: Text
     decode_ranks: Annotated[list[PeerRank], msgspec.Meta(min_length=1, max_length=MAX_RANKS)]
@@ -129,7 +143,7 @@ class PrefillRoom(msgspec.Struct, frozen=True):
 class DecodeRoom(msgspec.Struct, frozen=True):
     """Bootstrap -> a decode node's leader: take a room whose KV comes from these prefill ranks."""
 
-    room: RoomId
+    transfer: TransferId
     prompt_len: Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS)]
     max_new_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS)]
     prefill_node: Text
@@ -142,7 +156,7 @@ class DecodeRoom(msgspec.Struct, frozen=True):
 class AbortRoom(msgspec.Struct, frozen=True):
     """Bootstrap -> a node's leader: end the room FAILED with ``reason``."""
 
-    room: RoomId
+    transfer: TransferId
     rank: Rank  # the rank addressed; 0 for a node's leader
     reason: Text
     peer_gone: bool = False  # the room's other node is gone: nothing more will be written
@@ -152,7 +166,7 @@ class RevokeLease(msgspec.Struct, frozen=True):
     """Decode rank -> prefill rank: the room failed with ``reason``; write nothing more into the
     pages I lent you, and answer with RoomReleased once none of your writes can still move."""
 
-    room: RoomId
+    transfer: TransferId
     rank: Rank  # the prefill rank addressed
     reason: Text
 
@@ -169,7 +183,7 @@ class Assignments(msgspec.Struct, frozen=True):
 class TransferRequest(msgspec.Struct, frozen=True):
     """Decode rank -> prefill rank: write the room's KV for my heads into these pages of mine."""
 
-    room: RoomId
+    transfer: TransferId
     rank: Rank  # the prefill rank addressed
     decode_rank: Rank
     kv_base_ptr: NonNegative
@@ -188,7 +202,7 @@ class TransferRequests(msgspec.Struct, frozen=True):
 class TransferAccepted(msgspec.Struct, frozen=True):
     """Prefill rank -> decode rank: the request is valid; the KV follows when computed."""
 
-    room: RoomId
+    transfer: TransferId
     rank: Rank  # the decode rank addressed
     prefill_rank: Rank
 
@@ -196,12 +210,12 @@ class TransferAccepted(msgspec.Struct, frozen=True):
 class TransferStarted(msgspec.Struct, frozen=True):
     """Prefill rank -> decode rank: the KV writes for the room have begun."""
 
-    room: RoomId
+    transfer: TransferId
     rank: Rank  # the decode rank addressed
     prefill_rank: Rank
 
 
-class KvDone(msgspec.Struct, frozen=True):
+class DoneAux(msgspec.Struct, frozen=True):
     """Prefill rank -> decode rank, sent only after every KV write completed.
 
     Always travels with the aux record as the third frame of the same message.
@@ -210,7 +224,7 @@ class KvDone(msgspec.Struct, frozen=True):
     of the kind ``digest_kind`` names (``shared.kv.digest``).
     """
 
-    room: RoomId
+    transfer: TransferId
     rank: Rank  # the decode rank addressed
     prefill_rank: Rank
     aux_slot: NonNegative
@@ -228,7 +242,7 @@ class RoomReleased(msgspec.Struct, frozen=True):
     Sent only once no write of the room can still be moving.
     """
 
-    room: RoomId
+    transfer: TransferId
     rank: Rank
     prefill_rank: Rank
     reason: Text
@@ -241,7 +255,7 @@ class RoomStatus(msgspec.Struct, frozen=True):
     or "failed" with ``reason`` (the decode raised; its node was lost mid-decode).
     """
 
-    room: RoomId
+    transfer: TransferId
     state: Annotated[int, msgspec.Meta(ge=0, le=4)]
     reason: Text | None = None
     timestamps: Annotated[dict[str, float], msgspec.Meta(max_length=8)] = {}
@@ -259,7 +273,7 @@ class RoomReports(msgspec.Struct, frozen=True):
 
 
 class TokenChunk(msgspec.Struct, frozen=True):
-    room: RoomId
+    transfer: TransferId
     offset: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)]  # index of the first token here
     tokens: Annotated[list[Token], msgspec.Meta(min_length=1, max_length=MAX_TOKENS)]
 
@@ -278,7 +292,7 @@ class RankState(msgspec.Struct, frozen=True):
     ready); ranks whose records differ must not succeed.
     """
 
-    room: RoomId
+    transfer: TransferId
     state: Annotated[int, msgspec.Meta(ge=0, le=4)]
     reason: Text | None = None
     digest: Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)] = 0
@@ -325,7 +339,7 @@ Message = (
     | TransferRequests
     | TransferAccepted
     | TransferStarted
-    | KvDone
+    | DoneAux
     | RoomReleased
     | RoomReports
     | RoomTokens
@@ -345,7 +359,7 @@ KIND_OF: dict[type, Kind] = {
     TransferRequests: Kind.TRANSFER_REQUESTS,
     TransferAccepted: Kind.TRANSFER_ACCEPTED,
     TransferStarted: Kind.TRANSFER_STARTED,
-    KvDone: Kind.DONE_AUX,
+    DoneAux: Kind.DONE_AUX,
     RoomReleased: Kind.ROOM_RELEASED,
     RoomReports: Kind.ROOM_REPORTS,
     RoomTokens: Kind.ROOM_TOKENS,
@@ -361,10 +375,10 @@ _encoder = msgspec.msgpack.Encoder()
 
 
 def encode(msg: Message, aux: bytes | None = None) -> list[bytes]:
-    """Frames for ``msg``; ``aux`` is required for KvDone and refused otherwise."""
+    """Frames for ``msg``; ``aux`` is required for DoneAux and refused otherwise."""
     kind = KIND_OF[type(msg)]
     if (kind is Kind.DONE_AUX) != (aux is not None):
-        raise ValueError("aux travels with KvDone and only with it")
+        raise ValueError("aux travels with DoneAux and only with it")
     frames = [_HEADER.pack(MAGIC, PROTOCOL_VERSION, kind), _encoder.encode(msg)]
     if aux is not None:
         frames.append(aux)
@@ -417,11 +431,11 @@ def is_done_aux(frames: list[Any]) -> bool:
     return header.nbytes == HEADER_BYTES and header[-1] == Kind.DONE_AUX
 
 
-def peek_room(frames: list[Any]) -> int | None:
-    """Best-effort room id of a frame that failed to decode, for the log line."""
+def peek_transfer(frames: list[Any]) -> int | None:
+    """Best-effort transfer id of a frame that failed to decode, for the log line."""
     try:
         obj = msgspec.msgpack.decode(memoryview(frames[1]))
-        room = obj.get("room") if isinstance(obj, dict) else None
-        return room if isinstance(room, int) else None
+        transfer = obj.get("transfer") if isinstance(obj, dict) else None
+        return transfer if isinstance(transfer, int) else None
     except Exception:
         return None

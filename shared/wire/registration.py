@@ -3,11 +3,11 @@ that checks it."""
 
 import hashlib
 import json
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+import msgspec
+from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, WithJsonSchema
 
-from shared.kv.head_split import HeadRange
 from shared.kv.layout import DTYPE_NAMES, KVLayout
 from shared.wire import protocol
 
@@ -54,27 +54,30 @@ class ModelIdentity(Strict):
         return KVLayout(self.num_layers, kv_heads_held, self.head_dim, self.page_size, self.dtype)
 
 
-class RankInfo(Strict):
-    rank: int = Field(ge=0, lt=protocol.MAX_RANKS)
-    session_id: str = Field(min_length=3, max_length=256, pattern=r"^[^\s:]+:\d{1,5}$")
-    zmq_endpoint: str = Field(min_length=7, max_length=256, pattern=r"^tcp://[^\s]+:\d{1,5}$")
-    public_key: str = Field(default="", description="CURVE public key (Z85); empty with security off")
-    kv_head_start: int = Field(ge=0, le=protocol.MAX_HEADS)
-    kv_head_count: int = Field(ge=1, le=protocol.MAX_HEADS)
+def _peer_rank(value: Any) -> protocol.PeerRank:
+    """A rank of the registration, checked by the wire's own rules (``public_key`` may be left out
+    where security is off)."""
+    if isinstance(value, protocol.PeerRank):
+        return value
+    if not isinstance(value, dict):
+        raise ValueError("a rank is an object")
+    try:
+        return msgspec.convert({"public_key": "", **value}, protocol.PeerRank)
+    except msgspec.ValidationError as exc:
+        raise ValueError(str(exc)) from None
 
-    @property
-    def heads(self) -> HeadRange:
-        return HeadRange(self.kv_head_start, self.kv_head_count)
 
-    def peer(self) -> protocol.PeerRank:
-        return protocol.PeerRank(
-            self.rank,
-            self.session_id,
-            self.zmq_endpoint,
-            self.public_key,
-            self.kv_head_start,
-            self.kv_head_count,
-        )
+_PEER_SCHEMA = msgspec.json.schema_components([protocol.PeerRank])[1]["PeerRank"]
+_PEER_SCHEMA["required"] = [f for f in _PEER_SCHEMA["required"] if f != "public_key"]
+_PEER_SCHEMA["additionalProperties"] = False
+
+# The wire's struct for a rank, inside the registration's pydantic schema: one definition of a rank.
+RankInfo = Annotated[
+    protocol.PeerRank,
+    PlainValidator(_peer_rank),
+    PlainSerializer(msgspec.to_builtins, return_type=dict),
+    WithJsonSchema(_PEER_SCHEMA),
+]
 
 
 class NodeRegistration(Strict):
@@ -102,8 +105,8 @@ class RankStatus(Strict):
 
 class Heartbeat(Strict):
     rooms_in_flight: int = Field(default=0, ge=0)
-    # The node's oldest live rooms: the bootstrap names those it no longer knows, which the node ends.
-    rooms: list[int] = Field(default=[], max_length=4096)
+    # The node's oldest live transfers: the bootstrap names those it no longer knows, which the node ends.
+    transfers: list[int] = Field(default=[], max_length=4096)
     free_pages: int = Field(default=0, ge=0, description="the fewest free pages of any rank")
     healthy: bool = True
     problem: str | None = Field(default=None, max_length=512, description="why the node cannot serve")
@@ -129,6 +132,6 @@ class Registered(Strict):
     epoch: str = Field(
         description="changes when reports may have been lost: every node reports its rooms again"
     )
-    unknown_rooms: list[int] = Field(
-        default=[], description="rooms of the heartbeat the cluster does not hold"
+    unknown_transfers: list[int] = Field(
+        default=[], description="transfers of the heartbeat the cluster does not hold"
     )

@@ -203,7 +203,7 @@ def dispatcher(handle: Handler, metrics: ServiceMetrics) -> Callable[[list[Any],
             msg, aux = protocol.decode(buffers)
             handle(msg, aux, sender)
         except ProtocolError as exc:
-            room = getattr(exc, "room", None) or protocol.peek_room(buffers)
+            room = getattr(exc, "room", None) or protocol.peek_transfer(buffers)
             metrics.rejected.labels(exc.kind).inc()
             log.warning("room=%s dropped message (%s): %s", room, exc.kind, exc, extra={"room": room})
         except Exception:

@@ -93,7 +93,7 @@ def random_message(rng: random.Random) -> Frames:
     ]
     if rng.random() < 0.2:
         digests = [rng.getrandbits(63) for _ in range(rng.randrange(3))] if rng.random() < 0.5 else None
-        done = protocol.KvDone(room, rank, _int(rng), _int(rng), _int(rng), _int(rng), 0.0, digests)
+        done = protocol.DoneAux(room, rank, _int(rng), _int(rng), _int(rng), _int(rng), 0.0, digests)
         aux = Aux(rng.getrandbits(52), rng.randrange(300), rng.randrange(100), 0.0).pack()
         return protocol.encode(done, aux[: rng.choice([24, 24, 23, 0, 8])] + b"\0" * rng.choice([0, 0, 1]))
     return protocol.encode(rng.choice(builders)())

@@ -5,8 +5,9 @@ import httpx
 from launcher.local_stack import Service
 
 
-def node_room(service: Service, room: int) -> dict[str, Any] | None:
-    resp = httpx.get(f"{service.url}/rooms/{room}", timeout=5.0)
+def node_transfer(service: Service, transfer: int) -> dict[str, Any] | None:
+    """A node's own view of a transfer (a room's first placement has the room's id)."""
+    resp = httpx.get(f"{service.url}/transfers/{transfer}", timeout=5.0)
     return resp.json() if resp.status_code == 200 else None
 
 

@@ -113,12 +113,12 @@ class HoldingProxy:
     def inject(self, frames: Frames, like: Frames | None = None) -> None:
         """Send ``frames`` on as if it came the way the held message ``like`` did
         (default: the held message of the same room)."""
-        room = protocol.decode(frames)[0].room if like is None else None
+        room = protocol.decode(frames)[0].transfer if like is None else None
         with self._lock:
             rank, sender, _ = next(
                 h
                 for h in self.held
-                if h[2] is like or (like is None and protocol.decode(h[2])[0].room == room)
+                if h[2] is like or (like is None and protocol.decode(h[2])[0].transfer == room)
             )
             self._pending.append((rank, sender, frames))
 
@@ -127,7 +127,7 @@ class HoldingProxy:
         with self._lock:
             keep = []
             for held in self.held:
-                if room is None or protocol.decode(held[2])[0].room == room:
+                if room is None or protocol.decode(held[2])[0].transfer == room:
                     self._pending.append(held)
                 else:
                     keep.append(held)
@@ -136,16 +136,16 @@ class HoldingProxy:
     def held_for(self, room: int, rank: int | None = None) -> Frames:
         with self._lock:
             return next(
-                f for r, _, f in self.held if protocol.decode(f)[0].room == room and rank in (None, r)
+                f for r, _, f in self.held if protocol.decode(f)[0].transfer == room and rank in (None, r)
             )
 
     def drop(self, room: int) -> None:
         with self._lock:
-            self.held = [h for h in self.held if protocol.decode(h[2])[0].room != room]
+            self.held = [h for h in self.held if protocol.decode(h[2])[0].transfer != room]
 
     def held_rooms(self) -> set[int]:
         with self._lock:
-            return {protocol.decode(frames)[0].room for _, _, frames in self.held}
+            return {protocol.decode(frames)[0].transfer for _, _, frames in self.held}
 
 
 def in_front_of(service: Service, hold: Hold, ranks: int = 1) -> HoldingProxy:

@@ -1,7 +1,7 @@
 """DELETE /rooms/{room} on a room in flight: FAILED aborted on both nodes, pages back."""
 
 from shared.wire import protocol
-from tests.integration.helpers import metric, node_room, pools_full
+from tests.integration.helpers import metric, node_transfer, pools_full
 from tests.integration.holding_proxy import in_front_of
 from tests.support import until
 
@@ -25,17 +25,17 @@ def test_abort_in_flight_room(stack):
                 "room"
             ]
             until(lambda: proxy.held_rooms() == {room}, 20, "the transfer request to be held")
-            until(lambda: node_room(prefill, room)["state"] == "WAITING_FOR_INPUT", 20, "prefill to wait")
+            until(lambda: node_transfer(prefill, room)["state"] == "WAITING_FOR_INPUT", 20, "prefill to wait")
             # The decode has not heard back from its prefill: still bootstrapping.
-            assert node_room(decode, room)["state"] == "BOOTSTRAPPING"
+            assert node_transfer(decode, room)["state"] == "BOOTSTRAPPING"
             assert decode.health()["free_pages"] < decode.health()["total_pages"]
 
             resp = client.delete(f"/rooms/{room}")
             assert resp.status_code == 200
             assert resp.json()["state"] == "FAILED" and resp.json()["reason"] == "aborted"
             for node in (prefill, decode):
-                until(lambda node=node: node_room(node, room)["state"] == "FAILED", 10, "node to fail")
-                assert node_room(node, room)["reason"] == "aborted"
+                until(lambda node=node: node_transfer(node, room)["state"] == "FAILED", 10, "node to fail")
+                assert node_transfer(node, room)["reason"] == "aborted"
             until(lambda: pools_full(prefill, decode), 10, "pages and aux slots back")
             final = client.get(f"/rooms/{room}").json()
             assert final["state"] == "FAILED" and final["reason"] == "aborted"

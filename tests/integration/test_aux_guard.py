@@ -7,7 +7,7 @@ import pytest
 from shared.kv.aux_buffers import AUX_RECORD, Aux
 from shared.models.reference import encode_text, generate
 from shared.wire import protocol
-from tests.integration.helpers import metric, node_room, pools_full
+from tests.integration.helpers import metric, node_transfer, pools_full
 from tests.integration.holding_proxy import in_front_of
 from tests.support import until
 from tests.support.stacks import NOTICES_AT_ONCE
@@ -20,7 +20,7 @@ def held(stack):
 
     def start(
         *decode_args: str,
-        kinds: tuple[type, ...] = (protocol.KvDone,),
+        kinds: tuple[type, ...] = (protocol.DoneAux,),
         prefill_args: list[str] = NOTICES_AT_ONCE,
     ):
         stack.bootstrap.start()
@@ -52,10 +52,10 @@ def test_room_is_not_success_until_its_aux_arrives(stack, held, model):
         proxy.release(other)
 
         # KV writes completed (the prefill is done), the aux is missing: not SUCCESS.
-        until(lambda: node_room(prefill, room)["state"] == "SUCCESS", 10, "the prefill to finish")
+        until(lambda: node_transfer(prefill, room)["state"] == "SUCCESS", 10, "the prefill to finish")
         until(lambda: client.get(f"/rooms/{room}").json()["state"] == "TRANSFERRING", 10, "the report")
         for _ in range(10):
-            assert node_room(decode, room)["state"] == "TRANSFERRING"
+            assert node_transfer(decode, room)["state"] == "TRANSFERRING"
             assert client.get(f"/rooms/{room}").json()["state"] == "TRANSFERRING"
         assert client.get(f"/rooms/{other}", params={"wait": 30}).json()["state"] == "SUCCESS"
 
@@ -63,7 +63,7 @@ def test_room_is_not_success_until_its_aux_arrives(stack, held, model):
         proxy.inject(proxy.held_for(room)[:2])
         until(lambda: rejected(decode, "aux_missing") == 1, 10, "the done notice without aux")
         for _ in range(10):
-            assert node_room(decode, room)["state"] == "TRANSFERRING"
+            assert node_transfer(decode, room)["state"] == "TRANSFERRING"
 
         proxy.release()
         final = client.get(f"/rooms/{room}", params={"wait": 30}).json()
@@ -80,7 +80,7 @@ def test_aux_held_past_the_aux_timeout_fails_the_room(stack, held):
         proxy.inject(proxy.held_for(room)[:2])  # the done notice arrives, its aux does not
         final = client.get(f"/rooms/{room}", params={"wait": 20}).json()
         assert (final["state"], final["reason"]) == ("FAILED", "aux_timeout")
-        assert node_room(decode, room)["reason"] == "aux_timeout"
+        assert node_transfer(decode, room)["reason"] == "aux_timeout"
         # The aux that comes too late is refused: the room stays FAILED.
         proxy.release()
         until(lambda: rejected(decode, "finished") == 1, 10, "the late aux refused")
@@ -132,15 +132,15 @@ def test_aux_naming_another_room_fails_only_that_room(stack, held, model):
     ("kinds", "prefill_args", "reason"),
     [
         (
-            (protocol.TransferAccepted, protocol.TransferStarted, protocol.KvDone),
+            (protocol.TransferAccepted, protocol.TransferStarted, protocol.DoneAux),
             NOTICES_AT_ONCE,
             "bootstrap_timeout",
         ),
-        ((protocol.TransferStarted, protocol.KvDone), NOTICES_AT_ONCE, "waiting_timeout"),
-        ((protocol.KvDone,), NOTICES_AT_ONCE, "transfer_timeout"),
+        ((protocol.TransferStarted, protocol.DoneAux), NOTICES_AT_ONCE, "waiting_timeout"),
+        ((protocol.DoneAux,), NOTICES_AT_ONCE, "transfer_timeout"),
         # A room written before its notices were due sends none: its lost done+aux was all
         # the decode would have heard.
-        ((protocol.KvDone,), ["--progress-notice-s", "30"], "bootstrap_timeout"),
+        ((protocol.DoneAux,), ["--progress-notice-s", "30"], "bootstrap_timeout"),
     ],
 )
 def test_each_waiting_state_times_out_with_its_reason(stack, held, kinds, prefill_args, reason):
@@ -151,7 +151,7 @@ def test_each_waiting_state_times_out_with_its_reason(stack, held, kinds, prefil
         room = client.post("/rooms", json={"prompt": "stuck", "max_new_tokens": 4}).json()["room"]
         final = client.get(f"/rooms/{room}", params={"wait": 20}).json()
         assert (final["state"], final["reason"]) == ("FAILED", reason)
-        assert node_room(decode, room)["reason"] == reason
+        assert node_transfer(decode, room)["reason"] == reason
         assert metric(decode, "kvroom_room_failures_total", f'reason="{reason}"') == 1
         assert metric(stack.bootstrap, "kvroom_room_failures_total", f'reason="{reason}"') == 1
         proxy.release()  # whatever comes late changes nothing

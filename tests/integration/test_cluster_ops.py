@@ -13,7 +13,7 @@ import pytest
 
 from shared.models.reference import encode_text, generate
 from shared.wire import protocol
-from tests.integration.helpers import metric, node_room, pools_full
+from tests.integration.helpers import metric, node_transfer, pools_full
 from tests.integration.holding_proxy import in_front_of
 from tests.integration.test_store_contract import Heard
 from tests.support import until, until_async
@@ -293,8 +293,8 @@ def test_nodes_end_the_rooms_a_restarted_bootstrap_forgot(stack):
             stack.bootstrap.wait_healthy(registered=False)
             assert client.get(f"/rooms/{room}").status_code == 404  # forgotten
             for node in (prefill, decode):
-                until(lambda node=node: node_room(node, room)["state"] == "FAILED", 30, "the sweep")
-                assert node_room(node, room)["reason"] == "orphaned"
+                until(lambda node=node: node_transfer(node, room)["state"] == "FAILED", 30, "the sweep")
+                assert node_transfer(node, room)["reason"] == "orphaned"
             until(lambda: pools_full(prefill, decode), 10, "pools full")
             assert registrations(prefill) == registrations(decode) == 2  # they had to register again
         proxy.release()

@@ -4,7 +4,7 @@ import httpx
 
 from shared.models.reference import encode_text, generate
 from shared.wire import protocol
-from tests.integration.helpers import metric, node_room, pools_full
+from tests.integration.helpers import metric, node_transfer, pools_full
 from tests.integration.holding_proxy import in_front_of
 from tests.support import until
 from tests.support.stacks import FAST_NODE, NOTICES_AT_ONCE
@@ -27,7 +27,7 @@ def test_prefill_killed_mid_transfer(fast_stack, model):
     stack.bootstrap.wait_healthy(registered=False)
     decode = stack.node("decode", "decode-0", [*FAST_NODE, "--transfer-timeout-s", "5"])
     # Done+aux is held: the rooms are TRANSFERRING on the decode when the prefill dies.
-    with in_front_of(decode, lambda m: isinstance(m, protocol.KvDone)) as proxy:
+    with in_front_of(decode, lambda m: isinstance(m, protocol.DoneAux)) as proxy:
         decode.start()
         prefill = stack.node("prefill", "prefill-0", [*FAST_NODE, *NOTICES_AT_ONCE]).start()
         decode.wait_healthy()
@@ -39,13 +39,15 @@ def test_prefill_killed_mid_transfer(fast_stack, model):
                 for i in range(3)
             ]
             until(lambda: proxy.held_rooms() == set(rooms), 20, "three rooms mid-transfer")
-            until(lambda: all(node_room(decode, r)["state"] == "TRANSFERRING" for r in rooms), 10, "decode")
+            until(
+                lambda: all(node_transfer(decode, r)["state"] == "TRANSFERRING" for r in rooms), 10, "decode"
+            )
             prefill.kill()
             for room in rooms:
                 final = client.get(f"/rooms/{room}", params={"wait": 15}).json()
                 assert final["state"] == "FAILED", final
                 assert final["reason"] in ("peer_lost", "transfer_timeout")
-                until(lambda room=room: node_room(decode, room)["state"] == "FAILED", 10, "decode")
+                until(lambda room=room: node_transfer(decode, room)["state"] == "FAILED", 10, "decode")
             # The KV that did land is never turned into a SUCCESS afterwards.
             proxy.release()
             until(
@@ -82,7 +84,7 @@ def test_decode_killed_prefill_frees_and_the_rooms_move_to_another(fast_stack, m
             ]
             until(lambda: proxy.held_rooms() == set(rooms), 20, "three requests held")
             until(
-                lambda: all(node_room(prefill, r)["state"] == "WAITING_FOR_INPUT" for r in rooms),
+                lambda: all(node_transfer(prefill, r)["state"] == "WAITING_FOR_INPUT" for r in rooms),
                 20,
                 "the prefill to hold the KV",
             )
@@ -92,7 +94,7 @@ def test_decode_killed_prefill_frees_and_the_rooms_move_to_another(fast_stack, m
             doomed.kill()
             for room in rooms:
                 # The first attempt ends with the decode; the prefill frees what it held for it.
-                until(lambda room=room: node_room(prefill, room)["reason"] == "peer_lost", 10, "prefill")
+                until(lambda room=room: node_transfer(prefill, room)["reason"] == "peer_lost", 10, "prefill")
                 until(
                     lambda room=room: len(client.get(f"/rooms/{room}").json()["attempts"]) == 2, 10, "again"
                 )

@@ -10,7 +10,7 @@ import pytest
 
 from shared.models.reference import encode_text, generate
 from shared.wire import protocol
-from tests.integration.helpers import metric, node_room
+from tests.integration.helpers import metric, node_transfer
 from tests.integration.holding_proxy import in_front_of
 from tests.support import until
 from tests.support.stacks import FAST_NODE, NOTICES_AT_ONCE
@@ -82,7 +82,7 @@ def tp_decode(stack):
         stack.bootstrap.start()
         stack.bootstrap.wait_healthy(registered=False)
         decode = stack.node("decode", "decode-0", ["--tp-size", "2", *decode_args])
-        hold = lambda m: isinstance(m, protocol.KvDone) and m.rank == 1  # noqa: E731
+        hold = lambda m: isinstance(m, protocol.DoneAux) and m.rank == 1  # noqa: E731
         proxy = proxies.enter_context(in_front_of(decode, hold, ranks=2))
         decode.start()
         prefill = stack.node("prefill", "prefill-0", NOTICES_AT_ONCE).start()
@@ -106,11 +106,13 @@ def test_one_ranks_aux_held_back_keeps_every_rank_from_success(stack, tp_decode,
         # Rank 1 learns its KV is done, but its slot holds no record of this room.
         proxy.inject(frames[:2] if landing == "without its aux" else [frames[0], frames[1], bytes(24)])
         until(
-            lambda: any(p[0] == 0 and isinstance(p[1], protocol.KvDone) for p in proxy.passed), 10, "rank 0's"
+            lambda: any(p[0] == 0 and isinstance(p[1], protocol.DoneAux) for p in proxy.passed),
+            10,
+            "rank 0's",
         )
-        until(lambda: node_room(prefill, room)["state"] == "SUCCESS", 10, "the prefill to finish")
+        until(lambda: node_transfer(prefill, room)["state"] == "SUCCESS", 10, "the prefill to finish")
         for _ in range(20):  # rank 0 is ready on its own; the agreed state is not SUCCESS
-            assert node_room(decode, room)["state"] == "TRANSFERRING"
+            assert node_transfer(decode, room)["state"] == "TRANSFERRING"
             assert client.get(f"/rooms/{room}").json()["state"] == "TRANSFERRING"
         assert metric(decode, "kvroom_room_transitions_total", 'state="SUCCESS"') == 0
         assert decode.running and decode.health()["status"] == "ok"
@@ -131,12 +133,12 @@ def test_an_aux_that_never_lands_fails_every_rank(stack, tp_decode):
         proxy.drop(room)
         final = client.get(f"/rooms/{room}", params={"wait": 20}).json()
         assert (final["state"], final["reason"]) == ("FAILED", "aux_timeout")
-        assert node_room(decode, room)["reason"] == "aux_timeout"
+        assert node_transfer(decode, room)["reason"] == "aux_timeout"
     until(lambda: all_ranks_full(decode), 10, "every rank's pools full")
 
 
 @pytest.mark.parametrize(
-    ("role", "held"), [("decode", protocol.KvDone), ("prefill", protocol.TransferRequest)]
+    ("role", "held"), [("decode", protocol.DoneAux), ("prefill", protocol.TransferRequest)]
 )
 def test_a_killed_rank_breaks_its_node_and_rooms_move_on(fast_stack, model, role, held):
     stack = fast_stack

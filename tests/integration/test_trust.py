@@ -11,7 +11,7 @@ from launcher.local_stack import Service
 from shared.models.reference import encode_text, generate
 from shared.wire import protocol
 from shared.wire.security import CurveKeys, Security
-from tests.integration.helpers import metric, node_room, pools_full
+from tests.integration.helpers import metric, node_transfer, pools_full
 from tests.integration.holding_proxy import in_front_of
 from tests.support import until
 from tests.support.stacks import FAST_NODE, NOTICES_AT_ONCE
@@ -46,7 +46,7 @@ def held(stack):
         stack.bootstrap.start()
         stack.bootstrap.wait_healthy(registered=False)
         decode = stack.node("decode", "decode-0", list(decode_args))
-        proxy = proxies.enter_context(in_front_of(decode, lambda m: isinstance(m, protocol.KvDone)))
+        proxy = proxies.enter_context(in_front_of(decode, lambda m: isinstance(m, protocol.DoneAux)))
         decode.start()
         prefill = stack.node("prefill", "prefill-0", NOTICES_AT_ONCE).start()
         decode.wait_healthy()
@@ -100,8 +100,8 @@ def test_a_decode_that_raises_is_failed_everywhere_and_counted(stack, model):
         ).json()
         assert (broken["state"], broken["reason"], broken["output_ids"]) == ("FAILED", "decode_failed", None)
         assert broken["transfer_state"] == "SUCCESS" and broken["outcome"] == "failed"
-        until(lambda: node_room(decode, broken["room"])["outcome"] == "failed", 10, "the decode's view")
-        assert node_room(decode, broken["room"])["state"] == "FAILED"
+        until(lambda: node_transfer(decode, broken["room"])["outcome"] == "failed", 10, "the decode's view")
+        assert node_transfer(decode, broken["room"])["state"] == "FAILED"
         fine = client.post(
             "/rooms", json={"prompt": "y" * 14, "max_new_tokens": 5}, params={"wait": 20}
         ).json()
@@ -135,7 +135,7 @@ def test_a_late_write_lands_only_in_fenced_pages(stack, model, tmp_path):
         # A long room takes the first free pages, which would be the lent ones were they free;
         # the held write moves for real while it decodes.
         long = client.post("/rooms", json={"prompt": "long", "max_new_tokens": 400}).json()["room"]
-        until(lambda: node_room(decode, long)["state"] == "SUCCESS", 20, "the long room to decode")
+        until(lambda: node_transfer(decode, long)["state"] == "SUCCESS", 20, "the long room to decode")
         release.touch()
         final = client.get(f"/rooms/{long}", params={"wait": 30}).json()
         assert final["state"] == "SUCCESS" and final["output_ids"] == generate(

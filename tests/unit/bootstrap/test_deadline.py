@@ -20,7 +20,7 @@ def test_a_room_past_its_deadline_ends_failed_and_both_nodes_are_told(silent_nod
         for node, placed in ((prefill, protocol.PrefillRoom), (decode, protocol.DecodeRoom)):
             got = node.messages(until=protocol.AbortRoom)
             assert [type(m) for m in got] == [placed, protocol.AbortRoom]
-            assert (got[1].room, got[1].reason) == (got[0].room, "deadline")
+            assert (got[1].transfer, got[1].reason) == (got[0].transfer, "deadline")
         assert 'kvroom_room_failures_total{reason="deadline"} 1.0' in client.get("/metrics").text
 
 
@@ -36,8 +36,8 @@ def test_a_room_no_node_reports_on_has_its_assignments_sent_again_then_is_placed
             got = node.messages(until=protocol.AbortRoom, timeout_ms=20_000)
             sent, abort = got[:3], got[3]
             assert [type(m) for m in sent] == [placed] * 3 and sent[0] == sent[1] == sent[2]
-            assert sent[0].room == room  # the first attempt's transfer id is the room's
-            assert (abort.room, abort.reason) == (room, "peer_lost")
+            assert sent[0].transfer == room  # the first attempt's transfer id is the room's
+            assert (abort.transfer, abort.reason) == (room, "peer_lost")
         assert "kvroom_room_assignments_resent_total 2.0" in client.get("/metrics").text
         body = client.get(f"/rooms/{room}").json()
         assert len(body["attempts"]) == 2 and body["attempts"][0]["reason"] == "peer_lost"

@@ -46,9 +46,9 @@ def test_one_message_a_node_and_turn_rooms_before_aborts():
     asyncio.run(turn())
     by_node = dict(push.sent)
     assert len(push.sent) == 2
-    assert [r.room for r in by_node[PREFILL.zmq_endpoint].prefill_rooms] == [1, 2, 3]
-    assert [a.room for a in by_node[PREFILL.zmq_endpoint].aborts] == [9]
-    assert [r.room for r in by_node[DECODE.zmq_endpoint].decode_rooms] == [1, 2, 3]
+    assert [r.transfer for r in by_node[PREFILL.zmq_endpoint].prefill_rooms] == [1, 2, 3]
+    assert [a.transfer for a in by_node[PREFILL.zmq_endpoint].aborts] == [9]
+    assert [r.transfer for r in by_node[DECODE.zmq_endpoint].decode_rooms] == [1, 2, 3]
     assert lost == []
 
 
@@ -66,7 +66,7 @@ def test_a_turn_past_the_limits_is_split_in_order():
 
     asyncio.run(turn())
     prefill = [m for e, m in push.sent if e == PREFILL.zmq_endpoint]
-    assert [[r.room for r in m.prefill_rooms] for m in prefill] == [[1], [2], [3]]
+    assert [[r.transfer for r in m.prefill_rooms] for m in prefill] == [[1], [2], [3]]
     decode = [m for e, m in push.sent if e == DECODE.zmq_endpoint]
     assert [len(m.decode_rooms) for m in decode] == [protocol.MAX_ASSIGNMENTS, 1]
     for _, m in push.sent:  # each within what a receiver decodes

@@ -27,7 +27,7 @@ def test_a_report_the_store_failed_on_renews_the_epoch(silent_nodes, monkeypatch
         join(client, prefill, decode)
         before = epoch(client)
         room = client.post("/rooms", json={"prompt": "lost report", "max_new_tokens": 3}).json()["room"]
-        transfer = decode.messages(until=protocol.DecodeRoom)[0].room
+        transfer = decode.messages(until=protocol.DecodeRoom)[0].transfer
 
         store = client.app.state.cluster.store
         update_room, failed = store.update_room, []
@@ -44,7 +44,7 @@ def test_a_report_the_store_failed_on_renews_the_epoch(silent_nodes, monkeypatch
         Security(decode.keys).client(sock, answer["public_key"])
         sock.connect(answer["report_endpoint"])
         try:
-            report = protocol.RoomStatus(room=transfer, state=int(RoomState.WAITING_FOR_INPUT))
+            report = protocol.RoomStatus(transfer=transfer, state=int(RoomState.WAITING_FOR_INPUT))
             sock.send_multipart(protocol.encode(protocol.RoomReports("d0", [report])))
 
             until(lambda: epoch(client) != before, 10, "the epoch to change after a lost report")

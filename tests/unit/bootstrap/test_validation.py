@@ -11,7 +11,7 @@ def test_the_wire_takes_whatever_the_api_accepts():
     """The API's stop limits are the wire's: a room's assignment never fails to decode for them."""
     assert MAX_STOP_STRINGS <= protocol.MAX_STOP
     room = protocol.DecodeRoom(
-        room=1,
+        transfer=1,
         prompt_len=1,
         max_new_tokens=1,
         prefill_node="p",

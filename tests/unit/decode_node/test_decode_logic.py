@@ -63,7 +63,7 @@ def assign(service, room=ROOM, prompt_len=20):
 
 def done(service, room=ROOM, aux_room=ROOM, slot=None, cached=20, aux=True, sender=PREFILL_KEY, pages=2):
     job = service.rooms.find(ROOM)
-    msg = protocol.KvDone(room, 0, 0, job.slots.get(0, 0) if slot is None else slot, pages, 0, 0.0)
+    msg = protocol.DoneAux(room, 0, 0, job.slots.get(0, 0) if slot is None else slot, pages, 0, 0.0)
     record = Aux(aux_room, 65, cached, -0.5).pack() if aux else None
     service.handle_peer(msg, record, sender)
 
@@ -122,7 +122,7 @@ def test_a_changed_aux_byte_waits_for_an_intact_copy():
         job = assign(service)
         record = bytearray(Aux(ROOM, 65, 20, -0.5).pack())
         record[8] ^= 1  # the first token, as it would arrive after a bit flip on the way
-        service.handle_peer(protocol.KvDone(ROOM, 0, 0, job.slots[0], 2, 0, 0.0), bytes(record), PREFILL_KEY)
+        service.handle_peer(protocol.DoneAux(ROOM, 0, 0, job.slots[0], 2, 0, 0.0), bytes(record), PREFILL_KEY)
         assert job.state is RoomState.TRANSFERRING and job.aux_missing_since is not None
         assert service.metrics.rejected.labels("aux_corrupt")._value.get() == 1
         done(service)  # the intact copy decides
@@ -143,11 +143,11 @@ def test_messages_from_another_key_or_for_others_slots_are_rejected_without_effe
             done(service, slot=other.slots[0])  # someone else's slot
         with pytest.raises(RejectedMessage, match="unknown room"):
             service.handle_peer(
-                protocol.KvDone(999, 0, 0, 0, 2, 0, 0.0), Aux(999, 1, 20, 0.0).pack(), PREFILL_KEY
+                protocol.DoneAux(999, 0, 0, 0, 2, 0, 0.0), Aux(999, 1, 20, 0.0).pack(), PREFILL_KEY
             )
         with pytest.raises(RejectedMessage, match="rank 3"):
             service.handle_peer(
-                protocol.KvDone(ROOM, 0, 3, job.slots[0], 2, 0, 0.0),
+                protocol.DoneAux(ROOM, 0, 3, job.slots[0], 2, 0, 0.0),
                 Aux(ROOM, 1, 20, 0.0).pack(),
                 PREFILL_KEY,
             )
@@ -329,7 +329,7 @@ def test_a_turns_transfer_requests_to_one_prefill_rank_go_in_one_message():
         assign(service, ROOM + 2)
         await asyncio.sleep(0)
         assert [type(m) for m in sent] == [protocol.TransferRequests]
-        assert [r.room for r in sent[0].requests] == [ROOM + 1, ROOM + 2]
+        assert [r.transfer for r in sent[0].requests] == [ROOM + 1, ROOM + 2]
 
     run(test)
 
@@ -368,7 +368,7 @@ def test_a_room_stays_live_while_it_decodes_and_an_abort_ends_it_at_once():
         done(service)
         assert job.state is RoomState.SUCCESS and job.outcome is None
         assert service.rooms.live.get(ROOM) is job and service.health().rooms_in_flight == 1
-        service.handle_assignment(protocol.AbortRoom(room=ROOM, rank=0, reason="shutdown"))
+        service.handle_assignment(protocol.AbortRoom(transfer=ROOM, rank=0, reason="shutdown"))
         assert (job.outcome, job.reason) == ("failed", "shutdown")
         assert node.reports[-1] is RoomState.SUCCESS  # reported with its outcome, now
         await until_async(lambda: ROOM not in service.rooms.live)
@@ -395,7 +395,7 @@ def test_a_draining_leader_refuses_rooms_it_has_not_seen():
         assert node.reports == [RoomState.FAILED] and service.pool.free_pages == 32 - 2
         with pytest.raises(RejectedMessage):  # the same room again: a duplicate, as before
             leader.assign(protocol.DecodeRoom(ROOM, 20, 5, "p", [PREFILL]))
-        leader.assign(protocol.AbortRoom(room=ROOM, rank=0, reason="shutdown"))
+        leader.assign(protocol.AbortRoom(transfer=ROOM, rank=0, reason="shutdown"))
         assert service.rooms.find(ROOM).state is RoomState.FAILED
 
     run(body)
@@ -417,7 +417,7 @@ def test_verified_pages_that_match_succeed_and_pages_that_cannot_be_digested_fai
             digests = kv_digest.page_digests(service.pool, pages, 0, service.layout.page_bytes)
             if broken:
                 monkeypatch.setattr(kv_digest, "page_digests", lambda *a: 1 / 0)
-            msg = protocol.KvDone(room, 0, 0, job.slots[0], 2, 0, 0.0, digests=digests)
+            msg = protocol.DoneAux(room, 0, 0, job.slots[0], 2, 0, 0.0, digests=digests)
             service.handle_peer(msg, Aux(room, 65, 20, -0.5).pack(), PREFILL_KEY)
             await until_async(lambda job=job: not job.checking and job.state is not RoomState.BOOTSTRAPPING)
             expected = (RoomState.FAILED, "kv_corrupt") if broken else (RoomState.SUCCESS, None)

@@ -107,7 +107,7 @@ def test_a_slow_write_is_announced_once_its_notices_are_due():
         engine.gate.set()
         await until_async(lambda: job.state is RoomState.SUCCESS)
         assert kinds(sent) == ["TransferAccepted", "TransferStarted"]  # told once
-        assert all(m.room == ROOM and m.rank == 0 for m in sent)
+        assert all(m.transfer == ROOM and m.rank == 0 for m in sent)
 
     run(test, progress_notice_s=NOTICE_S)
 

@@ -85,7 +85,7 @@ def worker() -> Iterator[tuple[TransferWorker, BatchingEngine, "queue.Queue[Tran
 def task(room: int, endpoint: str, nbytes: int = 64 << 10, writes: int = 1) -> TransferTask:
     peer = protocol.PeerRank(0, "decode:1", endpoint, "", 0, 1)
     size = nbytes // writes
-    done = protocol.KvDone(room, 0, 0, 0, writes, 0, 0.0)
+    done = protocol.DoneAux(room, 0, 0, 0, writes, 0, 0.0)
     return TransferTask(room, 0, peer, [(room, i * size, size) for i in range(writes)], done, b"")
 
 
@@ -108,14 +108,14 @@ def test_rooms_queued_behind_a_write_go_to_the_engine_together(worker, decode):
     engine.release.set()
     got = outcomes(finished, 4)
     assert engine.batches == [[1], [2, 3, 4]]
-    assert [o.task.room for o in got] == [1, 2, 3, 4]
+    assert [o.task.transfer for o in got] == [1, 2, 3, 4]
     assert all(o.sent and o.written == 64 << 10 and o.error is None for o in got)
     received = []
     for _ in range(4):
         assert pull.poll(10_000)
         msg, _ = protocol.decode(pull.recv_multipart())
-        assert isinstance(msg, protocol.KvDone)
-        received.append((msg.room, msg.bytes_written))
+        assert isinstance(msg, protocol.DoneAux)
+        received.append((msg.transfer, msg.bytes_written))
     assert received == [(room, 64 << 10) for room in (1, 2, 3, 4)]
 
 
@@ -146,7 +146,7 @@ def test_each_room_of_a_batch_ends_on_its_own(worker, decode):
         w.submit(task(room, endpoint))
     w.cancel(5)
     engine.release.set()
-    got = {o.task.room: o for o in outcomes(finished, 5)}
+    got = {o.task.transfer: o for o in outcomes(finished, 5)}
     assert engine.batches == [[1], [2, 3, 4]]  # the cancelled room's writes never went out
     assert got[2].error == "job 2 failed" and not got[2].sent and not got[2].unresolved
     assert got[3].unresolved and not got[3].sent and w.quarantined == 1
@@ -155,7 +155,7 @@ def test_each_room_of_a_batch_ends_on_its_own(worker, decode):
     rooms = set()
     while pull.poll(200):
         msg, _ = protocol.decode(pull.recv_multipart())
-        rooms.add(msg.room)
+        rooms.add(msg.transfer)
     assert rooms == {1, 4}  # done+aux only for the rooms whose writes all landed
 
 
@@ -178,7 +178,7 @@ def test_a_fault_in_the_engines_binding_leaves_the_rest_of_the_batch_unresolved(
     for room in (2, 3, 4):
         w.submit(task(room, endpoint))
     engine.release.set()
-    got = {o.task.room: o for o in outcomes(finished, 4)}
+    got = {o.task.transfer: o for o in outcomes(finished, 4)}
     assert got[2].sent
     for room in (3, 4):
         assert got[room].unresolved and not got[room].sent

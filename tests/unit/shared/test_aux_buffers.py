@@ -8,13 +8,13 @@ import pytest
 from shared.errors import AuxValidationError, PoolExhausted
 from shared.kv.aux_buffers import AUX_RECORD, Aux, AuxBuffers, record_digest, unpack
 
-RECORD = Aux(room=(1 << 53) - 1, first_token=120, cached_tokens=17, logprob=-1.25)
+RECORD = Aux(transfer=(1 << 53) - 1, first_token=120, cached_tokens=17, logprob=-1.25)
 
 
 def test_record_layout_is_24_bytes_ending_in_the_crc_of_the_rest():
     packed = RECORD.pack()
     assert AUX_RECORD.format == "<qiifI" and AUX_RECORD.size == len(packed) == 24
-    assert packed[:20] == struct.pack("<qiif", RECORD.room, 120, 17, -1.25)
+    assert packed[:20] == struct.pack("<qiif", RECORD.transfer, 120, 17, -1.25)
     assert packed[20:] == struct.pack("<I", zlib.crc32(packed[:20]))
     assert record_digest(packed) == zlib.crc32(packed[:20])
     assert record_digest(memoryview(packed)) == record_digest(packed)
@@ -70,7 +70,7 @@ def test_write_returns_the_record_as_it_landed():
     landed = buffers.write(slot, memoryview(RECORD.pack()))
     assert landed == RECORD.pack() == buffers.read(slot)
     assert isinstance(landed, bytes)
-    other = Aux(room=9, first_token=1, cached_tokens=2, logprob=0.0).pack()
+    other = Aux(transfer=9, first_token=1, cached_tokens=2, logprob=0.0).pack()
     assert buffers.write(slot, other) == other  # a second record replaces the first whole
 
 

@@ -16,7 +16,7 @@ ROOM = 77
 PROMPT_LEN = 5
 VOCAB = 256
 PAGES = 3
-AUX = Aux(room=ROOM, first_token=65, cached_tokens=PROMPT_LEN, logprob=-0.5)  # exact in float32
+AUX = Aux(transfer=ROOM, first_token=65, cached_tokens=PROMPT_LEN, logprob=-0.5)  # exact in float32
 
 
 def expected(ranks: range | set[int] = range(1)) -> Expected:
@@ -80,8 +80,8 @@ def test_ready_carries_the_record_that_landed():
 @pytest.mark.parametrize(
     ("aux", "why"),
     [
-        pytest.param(Aux(ROOM + 1, 65, PROMPT_LEN, -0.5), "room", id="another room"),
-        pytest.param(Aux(0, 65, PROMPT_LEN, -0.5), "room", id="room 0"),
+        pytest.param(Aux(ROOM + 1, 65, PROMPT_LEN, -0.5), "transfer", id="another transfer"),
+        pytest.param(Aux(0, 65, PROMPT_LEN, -0.5), "transfer", id="transfer 0"),
         pytest.param(Aux(ROOM, 65, PROMPT_LEN - 1, -0.5), "cached", id="fewer cached tokens"),
         pytest.param(Aux(ROOM, 65, PROMPT_LEN + 1, -0.5), "cached", id="more cached tokens"),
         pytest.param(Aux(ROOM, -1, PROMPT_LEN, -0.5), "vocabulary", id="token below 0"),

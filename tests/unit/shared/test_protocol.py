@@ -18,11 +18,11 @@ PEER = protocol.PeerRank(
     kv_head_start=2,
     kv_head_count=2,
 )
-STATE = protocol.RankState(room=5, state=3, reason=None, digest=(1 << 32) - 1)
+STATE = protocol.RankState(transfer=5, state=3, reason=None, digest=(1 << 32) - 1)
 MESSAGES: list[protocol.Message] = [
-    protocol.PrefillRoom(room=1, input_ids=[1, 2, 3], decode_node="d", decode_ranks=[PEER]),
+    protocol.PrefillRoom(transfer=1, input_ids=[1, 2, 3], decode_node="d", decode_ranks=[PEER]),
     protocol.DecodeRoom(
-        room=protocol.MAX_ROOM_ID,
+        transfer=protocol.MAX_ROOM_ID,
         prompt_len=3,
         max_new_tokens=4,
         prefill_node="p",
@@ -30,15 +30,17 @@ MESSAGES: list[protocol.Message] = [
         stop=["\n\n", "END"],
         stream=True,
     ),
-    protocol.AbortRoom(room=5, rank=0, reason="aborted"),
-    protocol.AbortRoom(room=5, rank=3, reason="peer_lost", peer_gone=True),
-    protocol.RevokeLease(room=5, rank=1, reason="aux_timeout"),
+    protocol.AbortRoom(transfer=5, rank=0, reason="aborted"),
+    protocol.AbortRoom(transfer=5, rank=3, reason="peer_lost", peer_gone=True),
+    protocol.RevokeLease(transfer=5, rank=1, reason="aux_timeout"),
     protocol.Assignments(
-        prefill_rooms=[protocol.PrefillRoom(room=6, input_ids=[1, 2], decode_node="d", decode_ranks=[PEER])],
-        aborts=[protocol.AbortRoom(room=5, rank=0, reason="aborted")],
+        prefill_rooms=[
+            protocol.PrefillRoom(transfer=6, input_ids=[1, 2], decode_node="d", decode_ranks=[PEER])
+        ],
+        aborts=[protocol.AbortRoom(transfer=5, rank=0, reason="aborted")],
     ),
     protocol.TransferRequest(
-        room=5,
+        transfer=5,
         rank=0,
         decode_rank=1,
         kv_base_ptr=1 << 40,
@@ -50,7 +52,7 @@ MESSAGES: list[protocol.Message] = [
     protocol.TransferRequests(
         [
             protocol.TransferRequest(
-                room=6,
+                transfer=6,
                 rank=0,
                 decode_rank=0,
                 kv_base_ptr=0,
@@ -61,14 +63,14 @@ MESSAGES: list[protocol.Message] = [
             )
         ]
     ),
-    protocol.TransferAccepted(room=5, rank=0, prefill_rank=1),
-    protocol.TransferStarted(room=5, rank=0, prefill_rank=1),
-    protocol.RoomReleased(room=5, rank=0, prefill_rank=0, reason="aborted"),
+    protocol.TransferAccepted(transfer=5, rank=0, prefill_rank=1),
+    protocol.TransferStarted(transfer=5, rank=0, prefill_rank=1),
+    protocol.RoomReleased(transfer=5, rank=0, prefill_rank=0, reason="aborted"),
     protocol.RoomReports(
         node_id="n",
         reports=[
             protocol.RoomStatus(
-                room=5,
+                transfer=5,
                 state=4,
                 timestamps={"SUCCESS": 1.5},
                 output_ids=[1],
@@ -78,8 +80,10 @@ MESSAGES: list[protocol.Message] = [
             )
         ],
     ),
-    protocol.RoomTokens(node_id="n", chunks=[protocol.TokenChunk(room=5, offset=3, tokens=[65, 66])]),
-    protocol.RankStates(rank=2, states=[STATE, protocol.RankState(room=6, state=0, reason="aux_timeout")]),
+    protocol.RoomTokens(node_id="n", chunks=[protocol.TokenChunk(transfer=5, offset=3, tokens=[65, 66])]),
+    protocol.RankStates(
+        rank=2, states=[STATE, protocol.RankState(transfer=6, state=0, reason="aux_timeout")]
+    ),
     protocol.RankAgreed(states=[STATE]),
     protocol.RankHealth(
         rank=1,
@@ -92,8 +96,8 @@ MESSAGES: list[protocol.Message] = [
     ),
     protocol.RankReady(peer=PEER),
 ]
-DONE = protocol.KvDone(
-    room=5,
+DONE = protocol.DoneAux(
+    transfer=5,
     rank=0,
     prefill_rank=1,
     aux_slot=3,
@@ -113,7 +117,7 @@ def frames_of(kind: protocol.Kind, body: dict) -> list[bytes]:
 
 
 def test_every_kind_has_a_round_trip_case():
-    assert {type(m) for m in MESSAGES} | {protocol.KvDone} == set(protocol.KIND_OF)
+    assert {type(m) for m in MESSAGES} | {protocol.DoneAux} == set(protocol.KIND_OF)
 
 
 @pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
@@ -129,12 +133,12 @@ def test_done_travels_with_aux_and_signed_digests():
     frames = protocol.encode(DONE, b"x" * 24)
     assert len(frames) == 3
     decoded, aux = protocol.decode(frames)
-    assert isinstance(decoded, protocol.KvDone)
+    assert isinstance(decoded, protocol.DoneAux)
     assert decoded == DONE and decoded.digests == [INT64_MIN, -1, 0, INT64_MAX]
     assert aux is not None and bytes(aux) == b"x" * 24
     # A done notice whose aux frame was cut off still tells the receiver the KV is done.
     assert protocol.decode(frames[:2]) == (DONE, None)
-    without = protocol.KvDone(**(msgspec.structs.asdict(DONE) | {"digests": None}))
+    without = protocol.DoneAux(**(msgspec.structs.asdict(DONE) | {"digests": None}))
     assert protocol.decode(protocol.encode(without, b"a")) == (without, memoryview(b"a"))
 
 
@@ -145,12 +149,12 @@ def test_aux_goes_with_done_and_only_with_it():
         protocol.encode(MESSAGES[0], b"aux")
 
 
-ABORT = {"room": 5, "rank": 0, "reason": "x"}
+ABORT = {"transfer": 5, "rank": 0, "reason": "x"}
 BODY = msgspec.msgpack.encode(ABORT)
 DONE_BODY = msgspec.structs.asdict(DONE)
 REQUEST_BODY = msgspec.structs.asdict(next(m for m in MESSAGES if isinstance(m, protocol.TransferRequest)))
 PEER_BODY = msgspec.structs.asdict(PEER)
-STATES_BODY = {"rank": 0, "states": [{"room": 5, "state": 1}]}
+STATES_BODY = {"rank": 0, "states": [{"transfer": 5, "state": 1}]}
 
 
 @pytest.mark.parametrize(
@@ -174,20 +178,32 @@ STATES_BODY = {"rank": 0, "states": [{"room": 5, "state": 1}]}
         ),
         pytest.param([header(), b"\xc1garbage"], MalformedFrame, id="undecodable body"),
         pytest.param([header(), BODY[:-2]], MalformedFrame, id="truncated body"),
-        pytest.param(frames_of(protocol.Kind.ABORT_ROOM, ABORT | {"room": 0}), MalformedFrame, id="room 0"),
         pytest.param(
-            frames_of(protocol.Kind.ABORT_ROOM, ABORT | {"room": 1 << 53}), MalformedFrame, id="room 2**53"
+            frames_of(protocol.Kind.ABORT_ROOM, ABORT | {"transfer": 0}), MalformedFrame, id="transfer 0"
         ),
         pytest.param(
-            frames_of(protocol.Kind.ABORT_ROOM, ABORT | {"room": 1 << 63}), MalformedFrame, id="room 2**63"
+            frames_of(protocol.Kind.ABORT_ROOM, ABORT | {"transfer": 1 << 53}),
+            MalformedFrame,
+            id="transfer 2**53",
         ),
-        pytest.param(frames_of(protocol.Kind.ABORT_ROOM, ABORT | {"room": -3}), MalformedFrame, id="room<0"),
         pytest.param(
-            frames_of(protocol.Kind.ABORT_ROOM, ABORT | {"room": "3"}), MalformedFrame, id="room string"
+            frames_of(protocol.Kind.ABORT_ROOM, ABORT | {"transfer": 1 << 63}),
+            MalformedFrame,
+            id="transfer 2**63",
+        ),
+        pytest.param(
+            frames_of(protocol.Kind.ABORT_ROOM, ABORT | {"transfer": -3}), MalformedFrame, id="transfer<0"
+        ),
+        pytest.param(
+            frames_of(protocol.Kind.ABORT_ROOM, ABORT | {"transfer": "3"}),
+            MalformedFrame,
+            id="transfer string",
         ),
         pytest.param(frames_of(protocol.Kind.ABORT_ROOM, ABORT | {"rank": 999}), MalformedFrame, id="rank"),
         pytest.param(
-            frames_of(protocol.Kind.ABORT_ROOM, {"room": 5, "rank": 0}), MalformedFrame, id="missing field"
+            frames_of(protocol.Kind.ABORT_ROOM, {"transfer": 5, "rank": 0}),
+            MalformedFrame,
+            id="missing field",
         ),
         pytest.param(
             frames_of(protocol.Kind.DONE_AUX, DONE_BODY | {"digests": [1 << 63]}),
@@ -200,12 +216,14 @@ STATES_BODY = {"rank": 0, "states": [{"room": 5, "state": 1}]}
             id="no states",
         ),
         pytest.param(
-            frames_of(protocol.Kind.RANK_STATES, {"rank": 0, "states": [{"room": 5, "state": 5}]}),
+            frames_of(protocol.Kind.RANK_STATES, {"rank": 0, "states": [{"transfer": 5, "state": 5}]}),
             MalformedFrame,
             id="state above SUCCESS",
         ),
         pytest.param(
-            frames_of(protocol.Kind.RANK_AGREED, {"states": [{"room": 5, "state": 4, "digest": 1 << 32}]}),
+            frames_of(
+                protocol.Kind.RANK_AGREED, {"states": [{"transfer": 5, "state": 4, "digest": 1 << 32}]}
+            ),
             MalformedFrame,
             id="record digest above uint32",
         ),
@@ -237,26 +255,28 @@ def test_malformed_frames_raise_typed_errors(frames, error):
         protocol.decode(frames)
 
 
-@pytest.mark.parametrize("room", [1, 2, protocol.MAX_ROOM_ID])
-def test_room_ids_up_to_2_53_minus_1_are_accepted(room):
+@pytest.mark.parametrize("transfer", [1, 2, protocol.MAX_ROOM_ID])
+def test_transfer_ids_up_to_2_53_minus_1_are_accepted(transfer):
     """The edges of the room id range a JSON tool can hold exactly."""
     assert protocol.MAX_ROOM_ID == (1 << 53) - 1
-    msg, _ = protocol.decode(frames_of(protocol.Kind.ABORT_ROOM, ABORT | {"room": room}))
-    assert isinstance(msg, protocol.AbortRoom) and msg.room == room
+    msg, _ = protocol.decode(frames_of(protocol.Kind.ABORT_ROOM, ABORT | {"transfer": transfer}))
+    assert isinstance(msg, protocol.AbortRoom) and msg.transfer == transfer
 
 
-def test_peek_room_for_log_lines():
-    assert protocol.peek_room([header(), BODY]) == 5
-    assert protocol.peek_room([header(), b"\xc1"]) is None
-    assert protocol.peek_room([header()]) is None
-    assert protocol.peek_room([header(), msgspec.msgpack.encode([5])]) is None  # not a map
-    assert protocol.peek_room([header(), msgspec.msgpack.encode({"room": "5"})]) is None
+def test_peek_transfer_for_log_lines():
+    assert protocol.peek_transfer([header(), BODY]) == 5
+    assert protocol.peek_transfer([header(), b"\xc1"]) is None
+    assert protocol.peek_transfer([header()]) is None
+    assert protocol.peek_transfer([header(), msgspec.msgpack.encode([5])]) is None  # not a map
+    assert protocol.peek_transfer([header(), msgspec.msgpack.encode({"transfer": "5"})]) is None
 
 
 def test_done_aux_is_told_from_its_header_alone():
     assert protocol.is_done_aux(protocol.encode(DONE, b"aux"))
     assert protocol.is_done_aux([header(kind=protocol.Kind.DONE_AUX), b"\xc1"])  # body not looked at
-    assert not protocol.is_done_aux(protocol.encode(protocol.TransferStarted(room=5, rank=0, prefill_rank=0)))
+    assert not protocol.is_done_aux(
+        protocol.encode(protocol.TransferStarted(transfer=5, rank=0, prefill_rank=0))
+    )
     assert not protocol.is_done_aux([b"short"])
     assert not protocol.is_done_aux([header(kind=protocol.Kind.DONE_AUX) + b"x", b""])
     assert not protocol.is_done_aux([b"\x06", b""])  # a frame of another length that ends in the kind
@@ -265,7 +285,7 @@ def test_done_aux_is_told_from_its_header_alone():
 def test_a_hand_built_v2_body_decodes():
     """The field names on the wire, as a peer of this version writes them."""
     msg, _ = protocol.decode(frames_of(protocol.Kind.ABORT_ROOM, ABORT | {"peer_gone": True}))
-    assert msg == protocol.AbortRoom(room=5, rank=0, reason="x", peer_gone=True)
+    assert msg == protocol.AbortRoom(transfer=5, rank=0, reason="x", peer_gone=True)
     msg, _ = protocol.decode(frames_of(protocol.Kind.RANK_READY, {"peer": PEER_BODY}))
     assert msg == protocol.RankReady(peer=PEER)
     assert set(PEER_BODY) == {

@@ -17,7 +17,7 @@ def reports_of(sent: list[list[bytes]]) -> list[list[tuple[int, int, str | None]
     for frames in sent:
         msg, _ = protocol.decode(frames)
         assert isinstance(msg, protocol.RoomReports)
-        out.append([(r.room, r.state, r.outcome) for r in msg.reports])
+        out.append([(r.transfer, r.state, r.outcome) for r in msg.reports])
     return out
 
 

@@ -88,10 +88,10 @@ def test_view_of_a_failed_room():
     room.finish_reason = None
     room.fail("aborted")
     view = room.view()
-    assert view["room"] == 7 and view["state"] == view["transfer_state"] == "FAILED"
+    assert view["transfer"] == 7 and view["state"] == view["transfer_state"] == "FAILED"
     assert view["reason"] == "aborted" and view["outcome"] is None and view["output_ids"] == [1, 2]
     assert set(view) == {
-        "room",
+        "transfer",
         "state",
         "transfer_state",
         "outcome",

@@ -3,7 +3,7 @@ import itertools
 import pytest
 
 from shared.errors import IllegalTransition
-from shared.room.states import TRANSITIONS, RoomState, check_transition, forward_path
+from shared.room.states import TRANSITIONS, RoomState, check_transition, failed, forward_path, public_state
 
 S = RoomState
 LEGAL = {
@@ -57,3 +57,19 @@ def test_forward_path_walks_the_table():
         state = current
         for step in forward_path(current, target):
             state = check_transition(1, state, step)
+
+
+@pytest.mark.parametrize(
+    ("state", "outcome", "public", "is_failed"),
+    [
+        (RoomState.TRANSFERRING, None, "TRANSFERRING", False),
+        (RoomState.SUCCESS, None, "SUCCESS", False),
+        (RoomState.SUCCESS, "completed", "SUCCESS", False),
+        (RoomState.SUCCESS, "failed", "FAILED", True),  # the decode failed after the transfer
+        (RoomState.FAILED, None, "FAILED", True),
+        (int(RoomState.FAILED), None, "FAILED", True),  # as the bootstrap's record holds it
+    ],
+)
+def test_one_rule_says_whether_a_room_failed(state, outcome, public, is_failed):
+    assert public_state(state, outcome) == public
+    assert failed(state, outcome) is is_failed

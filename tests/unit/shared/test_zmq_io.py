@@ -222,7 +222,7 @@ def test_the_dispatcher_counts_what_it_drops_over_curve(context, curve_server):
     pull, endpoint, server = curve_server
     client = CurveKeys.generate()
     metrics = ServiceMetrics("test")
-    abort = protocol.AbortRoom(room=5, rank=0, reason="aborted")
+    abort = protocol.AbortRoom(transfer=5, rank=0, reason="aborted")
 
     async def run() -> list[tuple[protocol.Message, str | None]]:
         inbox = Inbox()
@@ -252,8 +252,8 @@ def received(metrics: ServiceMetrics) -> float:
     return metrics.registry.get_sample_value("kvroom_messages_received_total") or 0.0
 
 
-DONE = protocol.KvDone(
-    room=5, rank=0, prefill_rank=0, aux_slot=1, pages_written=1, bytes_written=8, completed_at=1.0
+DONE = protocol.DoneAux(
+    transfer=5, rank=0, prefill_rank=0, aux_slot=1, pages_written=1, bytes_written=8, completed_at=1.0
 )
 
 
@@ -264,10 +264,10 @@ def test_the_dispatcher_hands_on_what_decodes():
         lambda m, aux, s: calls.append((m, None if aux is None else bytes(aux), s)), metrics
     )
     on_message(protocol.encode(DONE, b"aux"), "key")
-    on_message(protocol.encode(protocol.TransferStarted(room=5, rank=0, prefill_rank=0)), None)
+    on_message(protocol.encode(protocol.TransferStarted(transfer=5, rank=0, prefill_rank=0)), None)
     assert calls == [
         (DONE, b"aux", "key"),
-        (protocol.TransferStarted(room=5, rank=0, prefill_rank=0), None, None),
+        (protocol.TransferStarted(transfer=5, rank=0, prefill_rank=0), None, None),
     ]
     assert received(metrics) == 2
     assert metrics.registry.get_sample_value("kvroom_messages_rejected_total", {"kind": "malformed"}) is None
@@ -294,20 +294,20 @@ def test_the_dispatcher_counts_refusals_by_their_kind_and_bugs_as_internal(caplo
 
     def handle(msg: protocol.Message, aux: memoryview | None, sender: str | None) -> None:
         if isinstance(msg, protocol.AbortRoom):
-            raise RejectedMessage("no such room", room=msg.room, kind="unknown_room")
+            raise RejectedMessage("no such room", room=msg.transfer, kind="unknown_room")
         raise RuntimeError("a handler bug")
 
     on_message = dispatcher(handle, metrics)
     with caplog.at_level(logging.WARNING, logger="shared.wire.zmq_io"):
-        on_message(protocol.encode(protocol.AbortRoom(room=9, rank=0, reason="x")), None)
-        on_message(protocol.encode(protocol.TransferStarted(room=5, rank=0, prefill_rank=0)), None)
+        on_message(protocol.encode(protocol.AbortRoom(transfer=9, rank=0, reason="x")), None)
+        on_message(protocol.encode(protocol.TransferStarted(transfer=5, rank=0, prefill_rank=0)), None)
     assert rejected(metrics, "unknown_room") == 1 and rejected(metrics, "internal") == 1
     assert any("room=9" in r.getMessage() and "unknown_room" in r.getMessage() for r in caplog.records)
 
 
 def test_a_dropped_frame_is_logged_with_the_room_it_names(caplog):
     metrics = ServiceMetrics("test")
-    body = protocol.encode(protocol.AbortRoom(room=31, rank=0, reason="x"))[1]
+    body = protocol.encode(protocol.AbortRoom(transfer=31, rank=0, reason="x"))[1]
     bad_rank = [header(), body.replace(b"\xa4rank\x00", b"\xa4rank\xcd\x03\xe7")]
     with caplog.at_level(logging.WARNING, logger="shared.wire.zmq_io"):
         dispatcher(lambda *a: None, metrics)(bad_rank, None)
