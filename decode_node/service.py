@@ -31,9 +31,8 @@ from shared.errors import PoolExhausted, RejectedMessage
 from shared.kv.aux_buffers import AUX_RECORD, AuxBuffers, record_digest
 from shared.kv.head_split import HeadRange, writers
 from shared.kv.lease import Lease
-from shared.metrics import ServiceMetrics
 from shared.models.source import Decoded, DecodeRequest
-from shared.node.rank import AgreementFactory, Rank, RankRoom, RankService, Reports
+from shared.node.rank import RankRoom, RankService
 from shared.room.gate import Expected, Invalid, Landed, Pending, Ready, rank_verdict
 from shared.room.record import Room
 from shared.room.states import FailureReason, RoomState
@@ -81,15 +80,7 @@ class DecodeService(RankService):
     # pages, and under load it would otherwise wait behind new rooms' messages.
     urgent = staticmethod(protocol.is_done_aux)
 
-    def __init__(
-        self,
-        rank: Rank,
-        reports: Reports,
-        agreement: AgreementFactory,
-        metrics: ServiceMetrics,
-        loop: asyncio.AbstractEventLoop,
-    ):
-        super().__init__(rank, reports, agreement, metrics, loop)
+    def set_up(self) -> None:
         self.aux = AuxBuffers(self.settings.aux_slots)
         # Failed rooms whose pages are still lent out, until released or timed out.
         self.fenced: dict[int, DecodeJob] = {}

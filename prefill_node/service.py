@@ -31,8 +31,7 @@ from shared.errors import PoolExhausted, RejectedMessage
 from shared.kv.aux_buffers import Aux
 from shared.kv.head_split import HeadRange, kv_heads, writers
 from shared.kv.layout import plan_writes
-from shared.metrics import ServiceMetrics
-from shared.node.rank import AgreementFactory, Rank, RankRoom, RankService, Reports
+from shared.node.rank import RankRoom, RankService
 from shared.room.record import Room
 from shared.room.states import FailureReason, RoomState
 from shared.wire import protocol
@@ -66,15 +65,7 @@ class PrefillService(RankService):
     # The room's visible progress is the decode's; the prefill reports how it ended.
     reported_states = frozenset({RoomState.SUCCESS, RoomState.FAILED})
 
-    def __init__(
-        self,
-        rank: Rank,
-        reports: Reports,
-        agreement: AgreementFactory,
-        metrics: ServiceMetrics,
-        loop: asyncio.AbstractEventLoop,
-    ):
-        super().__init__(rank, reports, agreement, metrics, loop)
+    def set_up(self) -> None:
         s = self.settings
         # Transfer requests whose room has not reached us yet: room -> [(request, sender, deadline)].
         self.early: dict[int, list[tuple[protocol.TransferRequest, str | None, float]]] = {}
@@ -85,8 +76,8 @@ class PrefillService(RankService):
         # ranks must pair up. A rank alone, or a source without collectives, can skip it.
         self.always_compute = s.tp_size > 1 and not self.source.inline
         self.worker = TransferWorker(
-            rank.engine,
-            rank.security,
+            self.rank.engine,
+            self.rank.security,
             lambda outcome: self.loop.call_soon_threadsafe(self._transfer_finished, outcome),
             lambda room, d: self.loop.call_soon_threadsafe(self._write_resolved, room, d),
             s.write_timeout_s,

@@ -210,6 +210,10 @@ class RankService(abc.ABC):
         # Verify mode: the pool's page digests (the prefill's while its writes are out).
         self.digester = Digester(self.pool) if self.settings.verify_kv else None
         self._tasks: set[asyncio.Task[Any]] = set()
+        self.set_up()
+
+    def set_up(self) -> None:
+        """The role's own state, made once the common parts above exist."""
 
     # -- what subclasses provide ------------------------------------------------
 
