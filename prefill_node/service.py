@@ -29,6 +29,7 @@ from prefill_node.settings import PrefillSettings
 from prefill_node.transfer_worker import Digests, TransferOutcome, TransferTask, TransferWorker
 from shared.errors import PoolExhausted, RejectedMessage
 from shared.kv.aux_buffers import Aux
+from shared.kv.borrow import Borrow, BorrowState
 from shared.kv.head_split import HeadRange, kv_heads, writers
 from shared.kv.layout import plan_writes
 from shared.node.rank import RankRoom, RankService
@@ -51,12 +52,21 @@ class PrefillJob(RankRoom):
         self.logprob = 0.0
         self.computing = False
         self.computed = False
-        self.writing: set[int] = set()  # decode ranks whose write is with the worker
-        self.written: set[int] = set()  # decode ranks sent their done+aux
-        self.unresolved: set[int] = set()  # decode ranks our write to may still move into
-        self.released: set[int] = set()  # decode ranks told their pages are free
+        self.borrows: dict[int, Borrow] = {}  # decode rank -> our writes into the pages it lent
         self.told: dict[int, RoomState] = {}  # decode rank -> the furthest step it was told of
-        self.lease_deadline = float("inf")
+
+    def borrow(self, decode_rank: int) -> Borrow:
+        found = self.borrows.get(decode_rank)
+        if found is None:
+            found = self.borrows[decode_rank] = Borrow(self.id, decode_rank)
+        return found
+
+    def any_borrow(self, state: BorrowState) -> bool:
+        return any(b.state is state for b in self.borrows.values())
+
+    @property
+    def all_written(self) -> bool:
+        return all(self.borrow(r).state is BorrowState.WRITTEN for r in self.targets)
 
 
 class PrefillService(RankService):
@@ -100,7 +110,7 @@ class PrefillService(RankService):
 
     def holds(self, room: Room) -> bool:
         assert isinstance(room, PrefillJob)
-        return bool(room.pages) or room.computing or bool(room.writing)
+        return bool(room.pages) or room.computing or room.any_borrow(BorrowState.WRITING)
 
     def handle_assignment(self, msg: protocol.PrefillRoom | protocol.DecodeRoom | protocol.AbortRoom) -> None:
         if isinstance(msg, protocol.PrefillRoom):
@@ -270,7 +280,10 @@ class PrefillService(RankService):
             raise RejectedMessage(
                 "revocation from a key that is not the room's", room=job.id, kind="unauthorized"
             )
-        if job.state.terminal and peers[0].rank in job.written:
+        if job.state.terminal and job.borrow(peers[0].rank).state in (
+            BorrowState.WRITTEN,
+            BorrowState.RELEASED,
+        ):
             # Already done writing: say so, so the decode can stop fencing its pages.
             self._release_to(job, peers[0].rank)
             return
@@ -316,7 +329,7 @@ class PrefillService(RankService):
         digests = None
         if self.digester is not None:
             digests = Digests(self.digester, job.pages, (heads.start - mine.start) * hb, heads.count * hb)
-        job.writing.add(decode_rank)
+        job.borrow(decode_rank).to(BorrowState.WRITING)
         self.worker.submit(TransferTask(job.id, decode_rank, peer, writes, done, aux, digests))
         self.set_local(job, RoomState.TRANSFERRING)
 
@@ -329,14 +342,15 @@ class PrefillService(RankService):
 
     def _notify(self, job: PrefillJob, decode_rank: int) -> None:
         """Tell a decode rank what it has not heard of its request: accepted, and the write begun."""
-        if job.local.terminal or decode_rank in job.written:
+        borrow = job.borrow(decode_rank)
+        if job.local.terminal or borrow.state is BorrowState.WRITTEN:
             return  # its done+aux, or the room's end, says more
         told = job.told.get(decode_rank, RoomState.BOOTSTRAPPING)
         peer = job.decode_ranks[decode_rank]
         if told < RoomState.WAITING_FOR_INPUT:
             self.rank.send(peer, protocol.TransferAccepted(job.id, decode_rank, self.rank.index))
             told = RoomState.WAITING_FOR_INPUT
-        if decode_rank in job.writing and told < RoomState.TRANSFERRING:
+        if borrow.state is BorrowState.WRITING and told < RoomState.TRANSFERRING:
             self.rank.send(peer, protocol.TransferStarted(job.id, decode_rank, self.rank.index))
             told = RoomState.TRANSFERRING
         job.told[decode_rank] = told
@@ -346,7 +360,7 @@ class PrefillService(RankService):
         task = outcome.task
         job = self.rooms.find(task.transfer)
         assert isinstance(job, PrefillJob)
-        job.writing.discard(task.decode_rank)
+        borrow = job.borrow(task.decode_rank)
         if outcome.unresolved:
             log.warning(
                 "room=%d KV write gave up while it may still move: %s",
@@ -354,14 +368,14 @@ class PrefillService(RankService):
                 outcome.error,
                 extra={"room": job.id},
             )
-            job.unresolved.add(task.decode_rank)
-            job.lease_deadline = time.monotonic() + self.settings.lease_timeout_s
+            borrow.gave_up(time.monotonic() + self.settings.lease_timeout_s)
             self.set_local(job, RoomState.FAILED, FailureReason.TRANSFER_TIMEOUT)
         elif outcome.error is not None:
             log.warning("room=%d KV write failed: %s", job.id, outcome.error, extra={"room": job.id})
+            borrow.to(BorrowState.STOPPED)
             self.set_local(job, RoomState.FAILED, FailureReason.TRANSFER_FAILED)
         elif outcome.sent:
-            job.written.add(task.decode_rank)
+            borrow.to(BorrowState.WRITTEN)
             job.timings["transfer_s"] = job.timings.get("transfer_s", 0.0) + outcome.seconds
             job.timings["bytes_written"] = job.timings.get("bytes_written", 0) + outcome.written
             # Wall-clock stages of the first write (one host's clock: the benchmark's breakdown).
@@ -369,18 +383,20 @@ class PrefillService(RankService):
             job.timings.setdefault("write_done_at", outcome.done_at)
             self.metrics.transfer_bytes.inc(outcome.written)
             self.metrics.transfer_seconds.observe(outcome.seconds)
-            if job.written == set(job.targets):
+            if job.all_written:
                 self.set_local(job, RoomState.SUCCESS)
-        elif not outcome.cancelled:
-            self.set_local(job, RoomState.FAILED, FailureReason.PEER_LOST)  # done+aux could not be queued
+        else:
+            borrow.to(BorrowState.STOPPED)
+            if not outcome.cancelled:
+                self.set_local(job, RoomState.FAILED, FailureReason.PEER_LOST)  # done+aux could not be queued
         self._settle(job)
 
     def _write_resolved(self, room: int, decode_rank: int) -> None:
         """A write that had given up is over now: nothing of it moves any more."""
         job = self.rooms.find(room)
-        if isinstance(job, PrefillJob) and decode_rank in job.unresolved:
+        if isinstance(job, PrefillJob) and job.borrow(decode_rank).state is BorrowState.UNRESOLVED:
             log.info("room=%d the write that gave up has ended", room, extra={"room": room})
-            job.unresolved.discard(decode_rank)
+            job.borrow(decode_rank).to(BorrowState.STOPPED)
             self._settle(job)
 
     # -- the agreed states ----------------------------------------------------------
@@ -398,12 +414,12 @@ class PrefillService(RankService):
 
     def _settle(self, job: PrefillJob) -> None:
         """Once the room ended and our work for it stopped: free our pages, release the decode's."""
-        if not job.state.terminal or job.computing or job.writing:
+        if not job.state.terminal or job.computing or job.any_borrow(BorrowState.WRITING):
             return  # a callback comes back here when they end
         for decode_rank in job.targets:
-            if decode_rank not in job.written and decode_rank not in job.unresolved:
+            if job.borrow(decode_rank).may_release:
                 self._release_to(job, decode_rank)
-        if job.unresolved:
+        if job.any_borrow(BorrowState.UNRESOLVED):
             return  # our pages may still be read by a write that gave up
         self.worker.forget(job.id)
         if job.pages:
@@ -412,9 +428,10 @@ class PrefillService(RankService):
         self.finished(job)
 
     def _release_to(self, job: PrefillJob, decode_rank: int) -> None:
-        if decode_rank in job.released:
+        borrow = job.borrow(decode_rank)
+        if borrow.state is BorrowState.RELEASED:
             return
-        job.released.add(decode_rank)
+        borrow.to(BorrowState.RELEASED)
         reason = "" if job.state is RoomState.SUCCESS else job.reason or ""
         msg = protocol.RoomReleased(
             transfer=job.id, rank=decode_rank, prefill_rank=self.rank.index, reason=reason
@@ -429,13 +446,13 @@ class PrefillService(RankService):
             waited = now - job.local_since
             if job.local is RoomState.WAITING_FOR_INPUT and waited > self.settings.waiting_timeout_s:
                 self.set_local(job, RoomState.FAILED, FailureReason.WAITING_TIMEOUT)
-            if job.unresolved and job.lease_deadline < now:
+            expired = [b for b in job.borrows.values() if b.expire_if_due(now)]
+            if expired:
                 log.warning(
                     "room=%d lease ended with writes still unresolved; pages reused",
                     job.id,
                     extra={"room": job.id},
                 )
-                job.unresolved.clear()
                 self._settle(job)
         for room, waiting in list(self.early.items()):
             kept = [entry for entry in waiting if entry[2] >= now]
