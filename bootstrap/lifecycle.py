@@ -61,7 +61,14 @@ class RoomLifecycle:
         """Place a new room and hand it to its nodes; NoLiveNode or NoCapacity if it cannot go anywhere."""
         room_id = rooms.new_id()
         prefill, decode = await self._placement.choose(room_id, len(input_ids), max_new_tokens, set())
-        room = RoomData(room_id, input_ids, max_new_tokens, stop, stream, time.time())
+        room = RoomData(
+            room=room_id,
+            input_ids=input_ids,
+            max_new_tokens=max_new_tokens,
+            stop=stop,
+            stream=stream,
+            created=time.time(),
+        )
         room.attempts = [Attempt(room_id, prefill.id, decode.id, placed_at=time.time())]
         room.timestamps = {RoomState.BOOTSTRAPPING.name: room.created}
         room.decode_pages = room_pages(decode, len(input_ids), max_new_tokens)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from bootstrap.store import Attempt, RoomData
-from shared.room.states import FailureReason, RoomState, check_transition, forward_path, public_state
+from shared.room.states import FailureReason, RoomState, check_transition, forward_path
 from shared.wire import protocol
 
 log = logging.getLogger(__name__)
@@ -151,7 +151,7 @@ def view(
     attempt = room.attempt
     return {
         "room": room.room,
-        "state": public_state(room.state, room.outcome),
+        "state": room.public_state,
         "transfer_state": RoomState(room.state).name,
         "outcome": room.outcome,
         "reason": room.reason,

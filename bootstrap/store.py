@@ -19,7 +19,7 @@ from typing import Protocol
 import msgspec
 
 from shared.errors import KvroomError
-from shared.room.states import failed
+from shared.wire.protocol import RoomRecord
 
 Change = Callable[["RoomData"], bool]  # mutates the room; True if it changed anything
 
@@ -41,8 +41,9 @@ class Attempt(msgspec.Struct):
     resent: int = 0  # times they were sent again, no node having reported on it
 
 
-class RoomData(msgspec.Struct):
-    """Everything the bootstrap knows of a room."""
+class RoomData(RoomRecord, kw_only=True):
+    """Everything the bootstrap knows of a room: its request, its placements, and its record (the
+    current attempt's, from its decode's reports)."""
 
     room: int
     input_ids: list[int]
@@ -51,13 +52,8 @@ class RoomData(msgspec.Struct):
     stream: bool
     created: float  # wall clock
     attempts: list[Attempt] = []
-    state: int = 1  # the current attempt's transfer state
-    reason: str | None = None
-    outcome: str | None = None
-    finish_reason: str | None = None
-    output_ids: list[int] | None = None
     partial: bool = False  # the decode was lost mid-way: output_ids is what it had streamed
-    timestamps: dict[str, float] = {}
+    # Both nodes' timings, merged: more keys than one report may carry.
     timings: dict[str, float] = {}
     done: bool = False
     decode_pages: int = 0  # reserved on the decode node while the room is in flight
@@ -66,10 +62,6 @@ class RoomData(msgspec.Struct):
     @property
     def attempt(self) -> Attempt:
         return self.attempts[-1]
-
-    @property
-    def failed(self) -> bool:
-        return failed(self.state, self.outcome)
 
 
 class NodeData(msgspec.Struct):

@@ -93,17 +93,5 @@ class BootstrapLink:
         rooms = list(self._pending_reports.values())
         self._pending_reports.clear()
         for start in range(0, len(rooms), protocol.MAX_REPORTS):
-            statuses = [
-                protocol.RoomStatus(
-                    transfer=room.id,
-                    state=int(room.state),
-                    reason=room.reason,
-                    timestamps=room.timestamps,
-                    output_ids=room.output_ids,
-                    timings=room.timings,
-                    outcome=room.outcome,
-                    finish_reason=room.finish_reason,
-                )
-                for room in rooms[start : start + protocol.MAX_REPORTS]
-            ]
+            statuses = [room.status() for room in rooms[start : start + protocol.MAX_REPORTS]]
             self._send(endpoint, key, protocol.encode(protocol.RoomReports(self.node_id, statuses)))

@@ -5,7 +5,10 @@ import logging
 import time
 from collections.abc import Callable
 
-from shared.room.states import FailureReason, RoomState, check_transition, forward_path, public_state
+import msgspec
+
+from shared.room.states import FailureReason, RoomState, check_transition, forward_path
+from shared.wire.protocol import RoomStatus
 
 log = logging.getLogger(__name__)
 
@@ -66,17 +69,24 @@ class Room:
     def finished(self) -> bool:
         return self.state is RoomState.FAILED or self.outcome is not None
 
+    def status(self) -> RoomStatus:
+        """The room's record, as its reports carry it and its view shows it."""
+        return RoomStatus(
+            transfer=self.id,
+            state=int(self.state),
+            reason=self.reason,
+            timestamps=self.timestamps,
+            timings=self.timings,
+            output_ids=self.output_ids,
+            outcome=self.outcome,
+            finish_reason=self.finish_reason,
+        )
+
     def view(self) -> dict[str, object]:
-        return {
-            "transfer": self.id,
-            "state": public_state(self.state, self.outcome),
+        status = self.status()
+        return msgspec.structs.asdict(status) | {
+            "state": status.public_state,
             "transfer_state": self.state.name,
-            "outcome": self.outcome,
-            "reason": self.reason,
-            "finish_reason": self.finish_reason,
-            "timestamps": self.timestamps,
-            "timings": self.timings,
-            "output_ids": self.output_ids,
         }
 
 

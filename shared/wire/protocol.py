@@ -57,6 +57,7 @@ from shared.errors import (
     VersionMismatch,
 )
 from shared.kv.head_split import HeadRange
+from shared.room.states import RoomState, failed, public_state
 
 PROTOCOL_VERSION = 6
 MAGIC = b"KVRM"
@@ -248,21 +249,36 @@ class RoomReleased(msgspec.Struct, frozen=True):
     reason: Text
 
 
-class RoomStatus(msgspec.Struct, frozen=True):
-    """Where one room stands on a node, with the wall-clock time it entered each state.
+class RoomRecord(msgspec.Struct, kw_only=True):
+    """Where a room stands and what it produced: the one record of a room, kept by a node's room
+    (``Room.status``), sent in its reports (``RoomStatus``) and kept by the bootstrap (``RoomData``).
 
-    ``outcome`` is the request's end once the transfer succeeded: "completed",
-    or "failed" with ``reason`` (the decode raised; its node was lost mid-decode).
+    ``state`` is the transfer's (a ``RoomState``), with the wall-clock time it entered each state;
+    ``outcome`` is the request's end once the transfer succeeded: "completed", or "failed" with
+    ``reason`` (the decode raised; its node was lost mid-decode).
     """
 
-    transfer: TransferId
-    state: Annotated[int, msgspec.Meta(ge=0, le=4)]
+    state: Annotated[int, msgspec.Meta(ge=0, le=4)] = int(RoomState.BOOTSTRAPPING)
     reason: Text | None = None
     timestamps: Annotated[dict[str, float], msgspec.Meta(max_length=8)] = {}
-    output_ids: Annotated[list[Token], msgspec.Meta(max_length=MAX_TOKENS)] | None = None
     timings: Annotated[dict[str, float], msgspec.Meta(max_length=16)] = {}
+    output_ids: Annotated[list[Token], msgspec.Meta(max_length=MAX_TOKENS)] | None = None
     outcome: Text | None = None
     finish_reason: Text | None = None  # "stop" or "length", once completed
+
+    @property
+    def failed(self) -> bool:
+        return failed(self.state, self.outcome)
+
+    @property
+    def public_state(self) -> str:
+        return public_state(self.state, self.outcome)
+
+
+class RoomStatus(RoomRecord):
+    """Node -> bootstrap, in RoomReports: the record of one placement on that node."""
+
+    transfer: TransferId
 
 
 class RoomReports(msgspec.Struct, frozen=True):

@@ -45,7 +45,8 @@ def forgery(rng: random.Random) -> Frames:
                 protocol.AbortRoom(room, 0, "aborted"),
                 protocol.RevokeLease(room, 0, "aborted"),
                 protocol.RoomReports(
-                    "decode-0", [protocol.RoomStatus(room, 4, None, {}, [33], {}, "completed")]
+                    "decode-0",
+                    [protocol.RoomStatus(transfer=room, state=4, output_ids=[33], outcome="completed")],
                 ),
             ]
         )
@@ -83,9 +84,9 @@ def random_message(rng: random.Random) -> Frames:
         lambda: protocol.TransferAccepted(room, rank, _int(rng)),
         lambda: protocol.TransferStarted(room, rank, _int(rng)),
         lambda: protocol.RoomReleased(room, rank, _int(rng), rng.choice(["", "aborted"])),
-        lambda: protocol.RoomReports("node", [protocol.RoomStatus(room, _int(rng), None, {}, None, {})]),
+        lambda: protocol.RoomReports("node", [protocol.RoomStatus(transfer=room, state=_int(rng))]),
         lambda: protocol.RoomReports(
-            "decode-0", [protocol.RoomStatus(room, 4, None, {}, [65], {}, "completed")]
+            "decode-0", [protocol.RoomStatus(transfer=room, state=4, output_ids=[65], outcome="completed")]
         ),
         lambda: protocol.RoomTokens("decode-0", [protocol.TokenChunk(room, 0, [65])]),
         lambda: protocol.RankStates(rank, [protocol.RankState(room, 4)]),

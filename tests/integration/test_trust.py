@@ -68,7 +68,15 @@ def test_forged_reports_change_nothing(stack, held, model):
         forged = protocol.encode(
             protocol.RoomReports(
                 "decode-0",
-                [protocol.RoomStatus(room, 4, None, {}, [33, 33, 33, 33], {}, "completed", "length")],
+                [
+                    protocol.RoomStatus(
+                        transfer=room,
+                        state=4,
+                        output_ids=[33, 33, 33, 33],
+                        outcome="completed",
+                        finish_reason="length",
+                    )
+                ],
             )
         )
         boot_key = boot.keys.public

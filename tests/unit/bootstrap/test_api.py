@@ -349,7 +349,18 @@ def test_room_history_is_bounded():
 
     async def run():
         store = MemoryStore(history=3, events=Waiters())
-        made = [RoomData(i, [1], 1, [], False, 0.0, [Attempt(i, "p", "d")]) for i in range(1, 7)]
+        made = [
+            RoomData(
+                room=i,
+                input_ids=[1],
+                max_new_tokens=1,
+                stop=[],
+                stream=False,
+                created=0.0,
+                attempts=[Attempt(i, "p", "d")],
+            )
+            for i in range(1, 7)
+        ]
 
         async def end(room):
             await store.update_room(room.room, lambda r: rooms.end(r, "aborted"))

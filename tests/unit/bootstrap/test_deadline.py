@@ -46,7 +46,9 @@ def test_a_room_no_node_reports_on_has_its_assignments_sent_again_then_is_placed
 def test_only_a_placed_room_no_node_reported_on_counts_as_unheard():
     now = 1000.0
     placed = Attempt(7, "p0", "d0", placed_at=now - 3)
-    room = RoomData(7, [1], 1, [], False, created=now - 10, attempts=[placed])
+    room = RoomData(
+        room=7, input_ids=[1], max_new_tokens=1, stop=[], stream=False, created=now - 10, attempts=[placed]
+    )
     assert rooms.unheard(room, now, 2.0)
     assert not rooms.unheard(room, now - 1.5, 2.0)  # sent too recently
     room.attempt.node_states = {"decode": {"state": "WAITING_FOR_INPUT"}}
