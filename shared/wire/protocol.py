@@ -75,10 +75,10 @@ MAX_HEADS = 1024
 MAX_STOP = 8
 MAX_STOP_CHARS = 256
 
-# Room ids are exact in a float64 (JSON tools, JavaScript): below 2**53, never 0.
+# Room and transfer ids are exact in a float64 (JSON tools, JavaScript): below 2**53, never 0.
 MAX_ROOM_ID = (1 << 53) - 1
-RoomId = Annotated[int, msgspec.Meta(gt=0, le=MAX_ROOM_ID)]
-# A placement attempt of a room, the only id a node knows: a room placed again gets a new one.
+# A placement of a room, the only id a node knows (the client's room id stays with the
+# bootstrap): a room's first placement has the room's id, one placed again a new one.
 TransferId = Annotated[int, msgspec.Meta(gt=0, le=MAX_ROOM_ID)]
 Rank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_RANKS)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
