@@ -20,6 +20,7 @@ from bootstrap.plain_request import (
     VALIDATION_ERROR,
     Errors,
     PlainRoute,
+    header,
     json_body,
     json_body_entry,
     parameter,
@@ -193,7 +194,7 @@ async def place(
 async def create_room(request: Request) -> Response:
     """Create a room; with ``?wait=`` answer once it finished or the wait ran out."""
     cluster: Cluster = request.app.state.cluster
-    check_api_key(cluster, request.headers.get("authorization"))
+    check_api_key(cluster, header(request, b"authorization"))
     errors: Errors = []
     wait = query(request, "wait", WAIT, 0, errors)
     body: RoomRequest = await json_body(request, ROOM_REQUEST, errors)
@@ -220,7 +221,7 @@ async def _room(cluster: Cluster, room_id: int) -> RoomData:
 async def get_room(request: Request) -> Response:
     """The room; with ``?wait=`` answer once it finished or the wait ran out."""
     cluster: Cluster = request.app.state.cluster
-    check_api_key(cluster, request.headers.get("authorization"))
+    check_api_key(cluster, header(request, b"authorization"))
     errors: Errors = []
     room = validate(ROOM_ID, request.path_params["room"], ("path", "room"), errors)
     wait = query(request, "wait", WAIT, 0, errors)

@@ -15,6 +15,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from bootstrap import api, openai_api, status_page
 from bootstrap.cluster import Cluster
+from bootstrap.hot_routes import HotRoutes
 from bootstrap.openai_api import OpenAIError, openai_error
 from bootstrap.settings import BootstrapSettings
 from bootstrap.store import StoreUnavailable
@@ -36,7 +37,11 @@ class BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+        declared = None
+        for key, value in scope["headers"]:  # a loop: a generator costs a request more
+            if key == b"content-length":
+                declared = value
+                break
         if declared is not None:
             if not declared.isdigit() or int(declared) > self.limit:
                 await self._refuse(scope, send)
@@ -197,10 +202,11 @@ def create_app(settings: BootstrapSettings) -> FastAPI:
         description="Registers prefill and decode nodes and hands out rooms.",
         lifespan=lifespan,
         telemetry=NO_OPENTELEMETRY,
-        # The app's own routes, matched before its included routers: every client calls these per room.
+        # Documented and routed by the app too; HotRoutes answers them first.
         routes=api.hot_rooms.routes,
     )
-    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    app.add_middleware(HotRoutes, routes=api.hot_rooms.routes, handlers=app.exception_handlers)
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)  # added last: it runs first
     app.add_exception_handler(RequestValidationError, invalid_request)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(OpenAIError, openai_error)
