@@ -69,13 +69,15 @@ class RoomLifecycle:
             stream=stream,
             created=time.time(),
         )
-        room.attempts = [Attempt(room_id, prefill.id, decode.id, placed_at=time.time())]
+        # The first placement's transfer id is the room's own.
+        room.attempts = [Attempt(protocol.TransferId(room_id), prefill.id, decode.id, placed_at=time.time())]
         room.timestamps = {RoomState.BOOTSTRAPPING.name: room.created}
         room.decode_pages = room_pages(decode, len(input_ids), max_new_tokens)
         room.prefill_pages = room_pages(prefill, len(input_ids), max_new_tokens)
         while not await self._store.create_room(room):  # an id another bootstrap just took
-            room.room = room.attempt.transfer = rooms.new_id()
-        await self._store.link_transfer(room.room, room.room)
+            room.room = rooms.new_id()
+            room.attempt.transfer = protocol.TransferId(room.room)
+        await self._store.link_transfer(room.attempt.transfer, room.room)
         self._metrics.transitioned(RoomState.BOOTSTRAPPING.name)
         self._metrics.attempts.inc()
         log.info(
@@ -136,7 +138,7 @@ class RoomLifecycle:
                 room.partial = True  # its decode was lost mid-way
             if retry:
                 rooms.fail_attempt(room, reason)
-                rooms.add_attempt(room, Attempt(0, "", ""))  # to be placed
+                rooms.add_attempt(room, Attempt(protocol.TransferId(0), "", ""))  # to be placed
             else:
                 rooms.end(room, reason)
             return True
@@ -168,7 +170,7 @@ class RoomLifecycle:
             if ended is not None and ended.done:
                 self._count_end(ended)
             return
-        transfer = rooms.new_id()
+        transfer = protocol.TransferId(rooms.new_id())
         decode_pages = room_pages(decode, tokens, room.max_new_tokens)
         prefill_pages = room_pages(prefill, tokens, room.max_new_tokens)
 
@@ -211,7 +213,9 @@ class RoomLifecycle:
             await self._store.release(attempt.prefill, room.prefill_pages, room.room)
         self._placement.freed()
 
-    async def _abort_on(self, node_id: str, transfer: int, reason: str, peer_gone: bool = False) -> None:
+    async def _abort_on(
+        self, node_id: str, transfer: protocol.TransferId, reason: str, peer_gone: bool = False
+    ) -> None:
         node = self._registry.known(node_id) or await self._registry.node(node_id)
         if node is not None:
             self._outbox.abort(

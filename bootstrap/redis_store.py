@@ -44,6 +44,7 @@ from bootstrap.store import (
     Store,
     StoreUnavailable,
 )
+from shared.wire.protocol import TransferId
 
 log = logging.getLogger(__name__)
 P = "kvroom:"
@@ -268,10 +269,10 @@ class RedisStore(Store):
         result: RoomData | None = await self._transact(key, _room, change, queue)
         return result
 
-    async def link_transfer(self, transfer: int, room_id: int) -> None:
+    async def link_transfer(self, transfer: TransferId, room_id: int) -> None:
         await self._call(self._redis.set, P + f"transfer:{transfer}", str(room_id))
 
-    async def room_of(self, transfer: int) -> int | None:
+    async def room_of(self, transfer: TransferId) -> int | None:
         raw = await self._call(self._redis.get, P + f"transfer:{transfer}")
         return int(raw) if raw else None
 

@@ -19,7 +19,7 @@ from typing import Protocol
 import msgspec
 
 from shared.errors import KvroomError
-from shared.wire.protocol import RoomRecord
+from shared.wire.protocol import RoomRecord, TransferId
 
 Change = Callable[["RoomData"], bool]  # mutates the room; True if it changed anything
 
@@ -31,7 +31,7 @@ class StoreUnavailable(KvroomError):
 class Attempt(msgspec.Struct):
     """One placement of a room; the nodes know it by ``transfer``."""
 
-    transfer: int
+    transfer: TransferId
     prefill: str
     decode: str
     state: int = 1
@@ -164,11 +164,11 @@ class Store(abc.ABC):
         it was: a store may hand it the stored room itself."""
 
     @abc.abstractmethod
-    async def link_transfer(self, transfer: int, room_id: int) -> None:
+    async def link_transfer(self, transfer: TransferId, room_id: int) -> None:
         """Remember which room an attempt's transfer id belongs to."""
 
     @abc.abstractmethod
-    async def room_of(self, transfer: int) -> int | None: ...
+    async def room_of(self, transfer: TransferId) -> int | None: ...
 
     @abc.abstractmethod
     async def recent(self, limit: int) -> list[RoomData]:
@@ -308,10 +308,10 @@ class MemoryStore(Store):
             self.events.changed(room_id)
         return room
 
-    async def link_transfer(self, transfer: int, room_id: int) -> None:
+    async def link_transfer(self, transfer: TransferId, room_id: int) -> None:
         self._transfers[transfer] = room_id
 
-    async def room_of(self, transfer: int) -> int | None:
+    async def room_of(self, transfer: TransferId) -> int | None:
         return self._transfers.get(transfer)
 
     async def recent(self, limit: int) -> list[RoomData]:

@@ -126,7 +126,9 @@ class DecodeService(RankService):
 
     # -- messages -----------------------------------------------------------------
 
-    def _job_for(self, room: int, rank: int, prefill_rank: int, sender: str | None) -> DecodeJob:
+    def _job_for(
+        self, room: protocol.TransferId, rank: int, prefill_rank: int, sender: str | None
+    ) -> DecodeJob:
         """The live room a prefill message addresses, once it is known to come from that prefill rank."""
         self.check_rank(rank, room)
         job = self.rooms.live.get(room)
@@ -200,7 +202,9 @@ class DecodeService(RankService):
                     assert isinstance(job, DecodeJob)
                     self.set_local(job, RoomState.FAILED, FailureReason.PEER_LOST)
 
-    def _progress_job(self, room: int, rank: int, prefill_rank: int, sender: str | None) -> DecodeJob | None:
+    def _progress_job(
+        self, room: protocol.TransferId, rank: int, prefill_rank: int, sender: str | None
+    ) -> DecodeJob | None:
         """The room a progress notice is for; None for a room that already ended.
 
         Accept and start notices can be overtaken by the done+aux they precede,
@@ -388,7 +392,7 @@ class DecodeService(RankService):
 
     # -- the agreed states ----------------------------------------------------------
 
-    def on_agreed(self, room: int, state: RoomState, reason: str | None) -> None:
+    def on_agreed(self, room: protocol.TransferId, state: RoomState, reason: str | None) -> None:
         job = self.rooms.live.get(room)
         if not isinstance(job, DecodeJob) or job.state.terminal:  # decoding, or ended
             return

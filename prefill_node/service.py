@@ -391,7 +391,7 @@ class PrefillService(RankService):
                 self.set_local(job, RoomState.FAILED, FailureReason.PEER_LOST)  # done+aux could not be queued
         self._settle(job)
 
-    def _write_resolved(self, room: int, decode_rank: int) -> None:
+    def _write_resolved(self, room: protocol.TransferId, decode_rank: int) -> None:
         """A write that had given up is over now: nothing of it moves any more."""
         job = self.rooms.find(room)
         if isinstance(job, PrefillJob) and job.borrow(decode_rank).state is BorrowState.UNRESOLVED:
@@ -401,7 +401,7 @@ class PrefillService(RankService):
 
     # -- the agreed states ----------------------------------------------------------
 
-    def on_agreed(self, room: int, state: RoomState, reason: str | None) -> None:
+    def on_agreed(self, room: protocol.TransferId, state: RoomState, reason: str | None) -> None:
         job = self.rooms.find(room)
         if not isinstance(job, PrefillJob) or job.state.terminal:
             return

@@ -60,7 +60,7 @@ class Digests:
 
 @dataclasses.dataclass
 class TransferTask:
-    transfer: int
+    transfer: protocol.TransferId
     decode_rank: int
     peer: protocol.PeerRank
     writes: list[Write]
@@ -88,7 +88,7 @@ class TransferWorker:
         engine: TransferEngine,
         security: Security,
         on_finished: Callable[[TransferOutcome], object],
-        on_resolved: Callable[[int, int], object],
+        on_resolved: Callable[[protocol.TransferId, int], object],
         write_timeout_s: float = WRITE_TIMEOUT_S,
     ):
         """Both callbacks are called from the worker thread; hand them to the event loop yourself."""
@@ -98,7 +98,9 @@ class TransferWorker:
         self._write_timeout_s = write_timeout_s
         self._queue: queue.SimpleQueue[TransferTask | None] = queue.SimpleQueue()
         self._cancelled: set[int] = set()
-        self._quarantine: dict[tuple[int, int], list[int]] = {}  # (room, decode rank) -> engine ids
+        self._quarantine: dict[
+            tuple[protocol.TransferId, int], list[int]
+        ] = {}  # (room, decode rank) -> engine ids
         self._context = zmq.Context()
         self._push = PushSockets(self._context, security)
         self._thread = threading.Thread(target=self._run, name="kv-transfer", daemon=True)

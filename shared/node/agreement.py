@@ -35,7 +35,7 @@ from shared.wire import protocol
 
 log = logging.getLogger(__name__)
 
-OnAgreed = Callable[[int, RoomState, str | None], None]
+OnAgreed = Callable[[protocol.TransferId, RoomState, str | None], None]
 # Rooms whose agreement ended, remembered so that a late word about them is ignored.
 _REMEMBER = 8192
 
@@ -47,7 +47,9 @@ class Participant(abc.ABC):
         self.on_agreed = on_agreed
 
     @abc.abstractmethod
-    def local(self, room: int, state: RoomState, reason: str | None = None, digest: int = 0) -> None:
+    def local(
+        self, room: protocol.TransferId, state: RoomState, reason: str | None = None, digest: int = 0
+    ) -> None:
         """Where ``room`` stands on this rank alone; SUCCESS means ready, with the record's ``digest``."""
 
     def close(self) -> None:
@@ -55,7 +57,9 @@ class Participant(abc.ABC):
 
 
 class Solo(Participant):
-    def local(self, room: int, state: RoomState, reason: str | None = None, digest: int = 0) -> None:
+    def local(
+        self, room: protocol.TransferId, state: RoomState, reason: str | None = None, digest: int = 0
+    ) -> None:
         self.on_agreed(room, *node_verdict({0: RankView(state, reason, digest)}, 1))
 
 
@@ -117,7 +121,9 @@ class _Batched(Participant):
         self._rank = rank
         self._pending: dict[int, protocol.RankState] = {}
 
-    def local(self, room: int, state: RoomState, reason: str | None = None, digest: int = 0) -> None:
+    def local(
+        self, room: protocol.TransferId, state: RoomState, reason: str | None = None, digest: int = 0
+    ) -> None:
         if not self._pending:
             self._loop.call_soon(self._flush)
         self._pending[room] = protocol.RankState(room, int(state), reason, digest)
@@ -212,7 +218,9 @@ class GlooParticipant(Participant):
         self._thread = threading.Thread(target=self._run, name="gloo-agreement", daemon=True)
         self._thread.start()
 
-    def local(self, room: int, state: RoomState, reason: str | None = None, digest: int = 0) -> None:
+    def local(
+        self, room: protocol.TransferId, state: RoomState, reason: str | None = None, digest: int = 0
+    ) -> None:
         with self._lock:
             self._table[room] = protocol.RankState(room, int(state), reason, digest)
 
@@ -262,7 +270,7 @@ class GlooParticipant(Participant):
 
     def _apply(self, changes: list[tuple[int, RoomState, str | None]]) -> None:
         for room, state, reason in changes:
-            self.on_agreed(room, state, reason)
+            self.on_agreed(protocol.TransferId(room), state, reason)  # read back from a tensor
 
     def close(self) -> None:
         self._stop.set()

@@ -138,7 +138,7 @@ class NodeLeader:
     def ready(self) -> bool:
         return len(self.ranks) == self.world
 
-    def orphaned(self, rooms: list[int]) -> None:
+    def orphaned(self, rooms: list[protocol.TransferId]) -> None:
         """Rooms the cluster no longer holds (its bootstrap forgot them): nobody waits for them."""
         for room in rooms:
             if room in self.service.rooms.live:

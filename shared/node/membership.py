@@ -22,6 +22,7 @@ from shared.errors import RegistrationError
 from shared.node.reports import BootstrapLink
 from shared.node.settings import NodeSettings
 from shared.room.record import Room
+from shared.wire import protocol
 from shared.wire.registration import Heartbeat, NodeRegistration, Registered
 from shared.wire.security import load_public_key
 
@@ -48,7 +49,7 @@ class Membership:
         registration: Callable[[], NodeRegistration],
         heartbeat: Callable[[], Heartbeat],
         known_rooms: Callable[[], list[Room]],
-        orphaned: Callable[[list[int]], None],
+        orphaned: Callable[[list[protocol.TransferId]], None],
     ):
         self.settings = settings
         self.node_id = node_id

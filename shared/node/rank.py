@@ -119,7 +119,7 @@ class Reports(Protocol):
 
     def report(self, room: Room) -> None: ...
 
-    def tokens(self, room: int, offset: int, tokens: list[int]) -> None: ...
+    def tokens(self, room: protocol.TransferId, offset: int, tokens: list[int]) -> None: ...
 
 
 class NoReports:
@@ -128,7 +128,7 @@ class NoReports:
     def report(self, room: Room) -> None:
         pass
 
-    def tokens(self, room: int, offset: int, tokens: list[int]) -> None:
+    def tokens(self, room: protocol.TransferId, offset: int, tokens: list[int]) -> None:
         pass
 
 
@@ -157,7 +157,7 @@ def refuse_assignment(msg: protocol.Assignments | Assignment, sender: str | None
 class RankRoom(Room):
     """A room on one rank: ``state`` is what the ranks agreed; ``local`` is what this rank reached."""
 
-    def __init__(self, room_id: int, on_change: Callable[[Room], None]):
+    def __init__(self, room_id: protocol.TransferId, on_change: Callable[[Room], None]):
         super().__init__(room_id, on_change)
         self.local = RoomState.BOOTSTRAPPING
         self.local_since = time.monotonic()
@@ -226,7 +226,7 @@ class RankService(abc.ABC):
         """A room assignment or abort from the bootstrap, in the order the node's leader gave it."""
 
     @abc.abstractmethod
-    def on_agreed(self, room: int, state: RoomState, reason: str | None) -> None:
+    def on_agreed(self, room: protocol.TransferId, state: RoomState, reason: str | None) -> None:
         """The node's ranks agreed that ``room`` is in ``state``."""
 
     @abc.abstractmethod

@@ -67,7 +67,7 @@ class BootstrapLink:
             due = now + (REPORT_DELAY_S if room.state.terminal else PROGRESS_REPORT_DELAY_S)
         self._schedule(due)
 
-    def tokens(self, room: int, offset: int, tokens: list[int]) -> None:
+    def tokens(self, room: protocol.TransferId, offset: int, tokens: list[int]) -> None:
         self._pending_tokens.append(protocol.TokenChunk(room, offset, tokens))
         self._schedule(self.loop.time() + TOKEN_DELAY_S)
 

@@ -115,7 +115,7 @@ def http_app(node: Node) -> FastAPI:
 
     @app.get("/transfers/{transfer}")
     async def transfer_view(transfer: int) -> dict[str, Any]:
-        found = node.service.rooms.find(transfer)
+        found = node.service.rooms.find(protocol.TransferId(transfer))
         if found is None:
             raise HTTPException(404, f"transfer {transfer} is not known to this node")
         return found.view()

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import msgspec
 
 from shared.room.states import FailureReason, RoomState, check_transition, forward_path
-from shared.wire.protocol import RoomStatus
+from shared.wire.protocol import RoomStatus, TransferId
 
 log = logging.getLogger(__name__)
 
@@ -18,7 +18,7 @@ def _ignore(room: "Room") -> None:
 
 
 class Room:
-    def __init__(self, room_id: int, on_change: Callable[["Room"], None] = _ignore):
+    def __init__(self, room_id: TransferId, on_change: Callable[["Room"], None] = _ignore):
         self.id = room_id
         self.state = RoomState.BOOTSTRAPPING
         self.reason: str | None = None
@@ -94,8 +94,8 @@ class RoomTable:
     """Live rooms, plus a bounded memory of finished ones for late messages and lookups."""
 
     def __init__(self, remember: int = 4096):
-        self.live: dict[int, Room] = {}
-        self.finished: collections.OrderedDict[int, Room] = collections.OrderedDict()
+        self.live: dict[TransferId, Room] = {}
+        self.finished: collections.OrderedDict[TransferId, Room] = collections.OrderedDict()
         self._remember = remember
 
     def add(self, room: Room) -> None:
@@ -107,7 +107,7 @@ class RoomTable:
         while len(self.finished) > self._remember:
             self.finished.popitem(last=False)
 
-    def ended_unseen(self, room_id: int, reason: str) -> Room:
+    def ended_unseen(self, room_id: TransferId, reason: str) -> Room:
         """A room never taken here, ended: an abort that overtook its assignment (a second
         bootstrap's), or an assignment refused. It is remembered as failed, so that an assignment
         of it that comes (again) is refused as a duplicate."""
@@ -116,7 +116,7 @@ class RoomTable:
         self.retire(room)
         return room
 
-    def find(self, room_id: int) -> Room | None:
+    def find(self, room_id: TransferId) -> Room | None:
         return self.live.get(room_id) or self.finished.get(room_id)
 
     def states(self) -> list[RoomState]:

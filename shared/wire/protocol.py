@@ -46,7 +46,7 @@ Changelog
 
 import enum
 import struct
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NewType
 
 import msgspec
 
@@ -79,7 +79,8 @@ MAX_STOP_CHARS = 256
 MAX_ROOM_ID = (1 << 53) - 1
 # A placement of a room, the only id a node knows (the client's room id stays with the
 # bootstrap): a room's first placement has the room's id, one placed again a new one.
-TransferId = Annotated[int, msgspec.Meta(gt=0, le=MAX_ROOM_ID)]
+TransferId = NewType("TransferId", int)
+Transfer = Annotated[TransferId, msgspec.Meta(gt=0, le=MAX_ROOM_ID)]
 Rank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_RANKS)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
 Digest = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
@@ -135,7 +136,7 @@ class PeerRank(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class PrefillRoom(msgspec.Struct, frozen=True):
     """Bootstrap -> a prefill node's leader: compute this prompt's KV for these decode ranks."""
 
-    transfer: TransferId
+    transfer: Transfer
     input_ids: Annotated[list[Token], msgspec.Meta(min_length=1, max_length=MAX_TOKENS)]
     decode_node: Text
     decode_ranks: Annotated[list[PeerRank], msgspec.Meta(min_length=1, max_length=MAX_RANKS)]
@@ -144,7 +145,7 @@ class PrefillRoom(msgspec.Struct, frozen=True):
 class DecodeRoom(msgspec.Struct, frozen=True):
     """Bootstrap -> a decode node's leader: take a room whose KV comes from these prefill ranks."""
 
-    transfer: TransferId
+    transfer: Transfer
     prompt_len: Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS)]
     max_new_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS)]
     prefill_node: Text
@@ -157,7 +158,7 @@ class DecodeRoom(msgspec.Struct, frozen=True):
 class AbortRoom(msgspec.Struct, frozen=True):
     """Bootstrap -> a node's leader: end the room FAILED with ``reason``."""
 
-    transfer: TransferId
+    transfer: Transfer
     rank: Rank  # the rank addressed; 0 for a node's leader
     reason: Text
     peer_gone: bool = False  # the room's other node is gone: nothing more will be written
@@ -167,7 +168,7 @@ class RevokeLease(msgspec.Struct, frozen=True):
     """Decode rank -> prefill rank: the room failed with ``reason``; write nothing more into the
     pages I lent you, and answer with RoomReleased once none of your writes can still move."""
 
-    transfer: TransferId
+    transfer: Transfer
     rank: Rank  # the prefill rank addressed
     reason: Text
 
@@ -184,7 +185,7 @@ class Assignments(msgspec.Struct, frozen=True):
 class TransferRequest(msgspec.Struct, frozen=True):
     """Decode rank -> prefill rank: write the room's KV for my heads into these pages of mine."""
 
-    transfer: TransferId
+    transfer: Transfer
     rank: Rank  # the prefill rank addressed
     decode_rank: Rank
     kv_base_ptr: NonNegative
@@ -203,7 +204,7 @@ class TransferRequests(msgspec.Struct, frozen=True):
 class TransferAccepted(msgspec.Struct, frozen=True):
     """Prefill rank -> decode rank: the request is valid; the KV follows when computed."""
 
-    transfer: TransferId
+    transfer: Transfer
     rank: Rank  # the decode rank addressed
     prefill_rank: Rank
 
@@ -211,7 +212,7 @@ class TransferAccepted(msgspec.Struct, frozen=True):
 class TransferStarted(msgspec.Struct, frozen=True):
     """Prefill rank -> decode rank: the KV writes for the room have begun."""
 
-    transfer: TransferId
+    transfer: Transfer
     rank: Rank  # the decode rank addressed
     prefill_rank: Rank
 
@@ -225,7 +226,7 @@ class DoneAux(msgspec.Struct, frozen=True):
     of the kind ``digest_kind`` names (``shared.kv.digest``).
     """
 
-    transfer: TransferId
+    transfer: Transfer
     rank: Rank  # the decode rank addressed
     prefill_rank: Rank
     aux_slot: NonNegative
@@ -243,7 +244,7 @@ class RoomReleased(msgspec.Struct, frozen=True):
     Sent only once no write of the room can still be moving.
     """
 
-    transfer: TransferId
+    transfer: Transfer
     rank: Rank
     prefill_rank: Rank
     reason: Text
@@ -278,7 +279,7 @@ class RoomRecord(msgspec.Struct, kw_only=True):
 class RoomStatus(RoomRecord):
     """Node -> bootstrap, in RoomReports: the record of one placement on that node."""
 
-    transfer: TransferId
+    transfer: Transfer
 
 
 class RoomReports(msgspec.Struct, frozen=True):
@@ -289,7 +290,7 @@ class RoomReports(msgspec.Struct, frozen=True):
 
 
 class TokenChunk(msgspec.Struct, frozen=True):
-    transfer: TransferId
+    transfer: Transfer
     offset: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)]  # index of the first token here
     tokens: Annotated[list[Token], msgspec.Meta(min_length=1, max_length=MAX_TOKENS)]
 
@@ -308,7 +309,7 @@ class RankState(msgspec.Struct, frozen=True):
     ready); ranks whose records differ must not succeed.
     """
 
-    transfer: TransferId
+    transfer: Transfer
     state: Annotated[int, msgspec.Meta(ge=0, le=4)]
     reason: Text | None = None
     digest: Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)] = 0

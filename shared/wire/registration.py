@@ -106,7 +106,7 @@ class RankStatus(Strict):
 class Heartbeat(Strict):
     rooms_in_flight: int = Field(default=0, ge=0)
     # The node's oldest live transfers: the bootstrap names those it no longer knows, which the node ends.
-    transfers: list[int] = Field(default=[], max_length=4096)
+    transfers: list[protocol.TransferId] = Field(default=[], max_length=4096)
     free_pages: int = Field(default=0, ge=0, description="the fewest free pages of any rank")
     healthy: bool = True
     problem: str | None = Field(default=None, max_length=512, description="why the node cannot serve")
@@ -132,6 +132,6 @@ class Registered(Strict):
     epoch: str = Field(
         description="changes when reports may have been lost: every node reports its rooms again"
     )
-    unknown_transfers: list[int] = Field(
+    unknown_transfers: list[protocol.TransferId] = Field(
         default=[], description="transfers of the heartbeat the cluster does not hold"
     )

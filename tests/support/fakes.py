@@ -69,5 +69,5 @@ class RecordingLink:
     def report(self, room: Room) -> None:
         self.reports.append(room.state)
 
-    def tokens(self, room: int, offset: int, tokens: list[int]) -> None:
+    def tokens(self, room: protocol.TransferId, offset: int, tokens: list[int]) -> None:
         pass
