@@ -31,6 +31,7 @@ from bootstrap.registry import Incompatible, Node
 from bootstrap.store import RoomData, StoreUnavailable
 from bootstrap.validation import PromptText, check_room, encode
 from shared.metrics import CONTENT_TYPE_LATEST
+from shared.wire.protocol import RoomId
 from shared.wire.registration import Heartbeat, NodeRegistration
 from shared.wire.security import bearer, secrets_match
 
@@ -205,7 +206,7 @@ async def create_room(request: Request) -> Response:
     return await room_response(cluster, await wait_finished(cluster, room, wait), 201)
 
 
-async def _room(cluster: Cluster, room_id: int) -> RoomData:
+async def _room(cluster: Cluster, room_id: RoomId) -> RoomData:
     room = await cluster.store.room(room_id)
     if room is None:
         raise HTTPException(404, f"room {room_id} is not known")
@@ -223,7 +224,7 @@ async def get_room(request: Request) -> Response:
     cluster: Cluster = request.app.state.cluster
     check_api_key(cluster, header(request, b"authorization"))
     errors: Errors = []
-    room = validate(ROOM_ID, request.path_params["room"], ("path", "room"), errors)
+    room = RoomId(validate(ROOM_ID, request.path_params["room"], ("path", "room"), errors))
     wait = query(request, "wait", WAIT, 0, errors)
     if errors:
         raise RequestValidationError(errors)
@@ -250,11 +251,12 @@ async def list_rooms(
 
 @rooms_router.delete("/rooms/{room}")
 async def abort_room(room: int, cluster: ClusterDep) -> dict[str, Any]:
-    await _room(cluster, room)
-    if not await cluster.abort(room):
-        ended = await _room(cluster, room)
-        raise HTTPException(409, f"room {room} already ended {(await room_view(cluster, ended))['state']}")
-    return await room_view(cluster, await _room(cluster, room))
+    room_id = RoomId(room)
+    await _room(cluster, room_id)
+    if not await cluster.abort(room_id):
+        ended = await _room(cluster, room_id)
+        raise HTTPException(409, f"room {room_id} already ended {(await room_view(cluster, ended))['state']}")
+    return await room_view(cluster, await _room(cluster, room_id))
 
 
 @ops.get("/health", response_model=None)

@@ -28,6 +28,7 @@ from bootstrap.tasks import Tasks
 from bootstrap.tokenizer import load_tokenizer
 from bootstrap.waiters import Waiters
 from shared.metrics import ServiceMetrics
+from shared.wire.protocol import RoomId
 from shared.wire.registration import Heartbeat, NodeRegistration, Registered
 from shared.wire.security import Security, ZapHandler, security_for
 from shared.wire.zmq_io import PushSockets
@@ -99,10 +100,12 @@ class Cluster:
     def sessions(self, node_id: str) -> list[str]:
         return self._registry.sessions(node_id)
 
-    def watching(self, room: int) -> contextlib.AbstractAsyncContextManager[asyncio.Event]:
+    def watching(self, room: RoomId) -> contextlib.AbstractAsyncContextManager[asyncio.Event]:
         return self._waiters.watching(room)
 
-    async def wait(self, room_id: int, seconds: float, until: Callable[[RoomData], bool]) -> RoomData | None:
+    async def wait(
+        self, room_id: RoomId, seconds: float, until: Callable[[RoomData], bool]
+    ) -> RoomData | None:
         return await self._waiters.wait(self.store, room_id, seconds, until)
 
     # -- nodes ------------------------------------------------------------------------------
@@ -135,7 +138,7 @@ class Cluster:
     ) -> RoomData:
         return await self._lifecycle.place(input_ids, max_new_tokens, stop, stream)
 
-    async def abort(self, room_id: int) -> bool:
+    async def abort(self, room_id: RoomId) -> bool:
         return await self._lifecycle.abort(room_id)
 
     # -- running ----------------------------------------------------------------------------

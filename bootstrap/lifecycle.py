@@ -59,7 +59,7 @@ class RoomLifecycle:
         self, input_ids: list[int], max_new_tokens: int, stop: list[str], stream: bool
     ) -> RoomData:
         """Place a new room and hand it to its nodes; NoLiveNode or NoCapacity if it cannot go anywhere."""
-        room_id = rooms.new_id()
+        room_id = protocol.RoomId(rooms.new_id())
         prefill, decode = await self._placement.choose(room_id, len(input_ids), max_new_tokens, set())
         room = RoomData(
             room=room_id,
@@ -75,7 +75,7 @@ class RoomLifecycle:
         room.decode_pages = room_pages(decode, len(input_ids), max_new_tokens)
         room.prefill_pages = room_pages(prefill, len(input_ids), max_new_tokens)
         while not await self._store.create_room(room):  # an id another bootstrap just took
-            room.room = rooms.new_id()
+            room.room = protocol.RoomId(rooms.new_id())
             room.attempt.transfer = protocol.TransferId(room.room)
         await self._store.link_transfer(room.attempt.transfer, room.room)
         self._metrics.transitioned(RoomState.BOOTSTRAPPING.name)
@@ -108,12 +108,12 @@ class RoomLifecycle:
             room.room,
         )
 
-    def _lost(self, room_ids: list[int]) -> None:
+    def _lost(self, room_ids: list[protocol.RoomId]) -> None:
         """Rooms whose assignment could not be queued to one of their nodes."""
         for room_id in dict.fromkeys(room_ids):
             self._tasks.spawn(self.fail(room_id, FailureReason.PEER_LOST))
 
-    async def abort(self, room_id: int) -> bool:
+    async def abort(self, room_id: protocol.RoomId) -> bool:
         return await self.fail(room_id, FailureReason.ABORTED, final=True)
 
     async def fail_rooms_of(self, node_id: str) -> None:
@@ -122,7 +122,7 @@ class RoomLifecycle:
             await self.fail(room_id, FailureReason.PEER_LOST, dead_node=node_id)
 
     async def fail(
-        self, room_id: int, reason: str, dead_node: str | None = None, final: bool = False
+        self, room_id: protocol.RoomId, reason: str, dead_node: str | None = None, final: bool = False
     ) -> bool:
         """End the room's current attempt with ``reason``: place it again if it may be, else end it."""
         retry = False

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from bootstrap.api import ClusterDep, api_key_checked, place
 from bootstrap.store import RoomData
 from bootstrap.validation import PromptText, Refused, Stop, Text, check_room, encode
+from shared.wire.protocol import RoomId
 
 router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Depends(api_key_checked)])
 
@@ -153,7 +154,7 @@ class _Streamer:
 
 
 async def _events(
-    cluster: Any, room_id: int, stops: list[str], chunk: Callable[..., dict[str, Any]], usage: bool
+    cluster: Any, room_id: RoomId, stops: list[str], chunk: Callable[..., dict[str, Any]], usage: bool
 ) -> AsyncIterator[bytes]:
     def event(payload: dict[str, Any]) -> bytes:
         return b"data: " + msgspec.json.encode(payload) + b"\n\n"

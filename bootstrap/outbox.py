@@ -11,7 +11,8 @@ from shared.wire.zmq_io import PushSockets
 # Prompts are most of a message's bytes: this many tokens stay far below a receiver's body limit.
 MAX_TOKENS_PER_MESSAGE = 100_000
 
-Item = tuple[protocol.PrefillRoom | protocol.DecodeRoom | protocol.AbortRoom, int]  # with the room's id
+# A message, with the id of its room (0 for an abort: it names only a transfer).
+Item = tuple[protocol.PrefillRoom | protocol.DecodeRoom | protocol.AbortRoom, protocol.RoomId]
 
 
 def _tokens(item: Item) -> int:
@@ -20,19 +21,22 @@ def _tokens(item: Item) -> int:
 
 
 class Outbox:
-    def __init__(self, push: PushSockets, on_lost: Callable[[list[int]], object]):
+    def __init__(self, push: PushSockets, on_lost: Callable[[list[protocol.RoomId]], object]):
         """``on_lost(room_ids)``: rooms whose assignment could not be queued to their node."""
         self._push = push
         self._on_lost = on_lost
         self._turn: PerTurn[Item] = PerTurn(self._send)
 
     def room(
-        self, leader: protocol.PeerRank, msg: protocol.PrefillRoom | protocol.DecodeRoom, room_id: int
+        self,
+        leader: protocol.PeerRank,
+        msg: protocol.PrefillRoom | protocol.DecodeRoom,
+        room_id: protocol.RoomId,
     ) -> None:
         self._turn.add(leader, (msg, room_id))
 
     def abort(self, leader: protocol.PeerRank, msg: protocol.AbortRoom) -> None:
-        self._turn.add(leader, (msg, 0))
+        self._turn.add(leader, (msg, protocol.RoomId(0)))
 
     async def flushed(self) -> None:
         """Until this turn's assignments have been queued to their nodes."""

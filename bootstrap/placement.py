@@ -11,6 +11,7 @@ from bootstrap.settings import BootstrapSettings
 from bootstrap.store import Store
 from shared.kv.layout import KVLayout
 from shared.metrics import ServiceMetrics
+from shared.wire.protocol import RoomId
 
 # Between two looks for room in the queue: another bootstrap's rooms end unseen here.
 QUEUE_POLL_S = 0.05
@@ -53,7 +54,7 @@ class Placement:
         self._capacity.set()
 
     async def choose(
-        self, room_id: int, tokens: int, max_new_tokens: int, exclude: set[str]
+        self, room_id: RoomId, tokens: int, max_new_tokens: int, exclude: set[str]
     ) -> tuple[Node, Node]:
         """``_take``, waiting in the bounded queue while no node has room."""
         try:
@@ -77,7 +78,7 @@ class Placement:
             self._queued -= 1
 
     async def _take(
-        self, room_id: int, tokens: int, max_new_tokens: int, exclude: set[str]
+        self, room_id: RoomId, tokens: int, max_new_tokens: int, exclude: set[str]
     ) -> tuple[Node, Node]:
         """A prefill and a decode node with room for it, their pages taken; NoLiveNode or NoCapacity."""
         nodes = await self._registry.nodes()

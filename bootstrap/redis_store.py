@@ -44,7 +44,7 @@ from bootstrap.store import (
     Store,
     StoreUnavailable,
 )
-from shared.wire.protocol import TransferId
+from shared.wire.protocol import RoomId, TransferId
 
 log = logging.getLogger(__name__)
 P = "kvroom:"
@@ -114,7 +114,7 @@ class RedisStore(Store):
                     self.events.resync()  # what changed before the subscription was heard by no one
                     async for message in pubsub.listen():
                         if message["type"] == "message":
-                            self.events.changed(int(message["data"]))
+                            self.events.changed(RoomId(int(message["data"])))
             except (RedisError, OSError) as exc:
                 # The client can turn a cancel that lands mid-reconnect into a connection error:
                 # a cancelled listener must stop, or close() waits on it for ever.
@@ -217,11 +217,11 @@ class RedisStore(Store):
 
         await self._call(remove)
 
-    async def reserve(self, node_id: str, pages: int, capacity: int, room: int) -> bool:
+    async def reserve(self, node_id: str, pages: int, capacity: int, room: RoomId) -> bool:
         keys = [P + f"load:{node_id}", P + f"placed:{node_id}"]
         return bool(await self._call(self._reserve, keys=keys, args=[pages, capacity, room]))
 
-    async def release(self, node_id: str, pages: int, room: int) -> None:
+    async def release(self, node_id: str, pages: int, room: RoomId) -> None:
         keys = [P + f"load:{node_id}", P + f"placed:{node_id}"]
         await self._call(self._release, keys=keys, args=[pages, room])
 
@@ -229,8 +229,8 @@ class RedisStore(Store):
         raw = await self._call(self._redis.hgetall, P + f"load:{node_id}")
         return Load(int(raw.get(b"pages", 0)), int(raw.get(b"rooms", 0)))
 
-    async def rooms_on(self, node_id: str) -> set[int]:
-        return {int(r) for r in await self._call(self._redis.smembers, P + f"placed:{node_id}")}
+    async def rooms_on(self, node_id: str) -> set[RoomId]:
+        return {RoomId(int(r)) for r in await self._call(self._redis.smembers, P + f"placed:{node_id}")}
 
     # -- rooms ------------------------------------------------------------------------
 
@@ -249,11 +249,11 @@ class RedisStore(Store):
         created: bool = await self._call(create)
         return created
 
-    async def room(self, room_id: int) -> RoomData | None:
+    async def room(self, room_id: RoomId) -> RoomData | None:
         raw = await self._call(self._redis.get, P + f"room:{room_id}")
         return _room.decode(raw) if raw else None
 
-    async def update_room(self, room_id: int, change: Change) -> RoomData | None:
+    async def update_room(self, room_id: RoomId, change: Change) -> RoomData | None:
         key = P + f"room:{room_id}"
 
         def queue(pipe: Any, room: RoomData) -> None:
@@ -269,12 +269,12 @@ class RedisStore(Store):
         result: RoomData | None = await self._transact(key, _room, change, queue)
         return result
 
-    async def link_transfer(self, transfer: TransferId, room_id: int) -> None:
+    async def link_transfer(self, transfer: TransferId, room_id: RoomId) -> None:
         await self._call(self._redis.set, P + f"transfer:{transfer}", str(room_id))
 
-    async def room_of(self, transfer: TransferId) -> int | None:
+    async def room_of(self, transfer: TransferId) -> RoomId | None:
         raw = await self._call(self._redis.get, P + f"transfer:{transfer}")
-        return int(raw) if raw else None
+        return RoomId(int(raw)) if raw else None
 
     async def recent(self, limit: int) -> list[RoomData]:
         ids = await self._call(self._redis.zrevrange, P + "rooms", 0, limit - 1)
@@ -283,10 +283,10 @@ class RedisStore(Store):
         raws = await self._call(self._redis.mget, [P + f"room:{i.decode()}" for i in ids])
         return [_room.decode(raw) for raw in raws if raw]
 
-    async def in_flight(self) -> list[int]:
-        return [int(r) for r in await self._call(self._redis.smembers, P + "in_flight")]
+    async def in_flight(self) -> list[RoomId]:
+        return [RoomId(int(r)) for r in await self._call(self._redis.smembers, P + "in_flight")]
 
-    async def add_tokens(self, room_id: int, offset: int, tokens: list[int]) -> bool:
+    async def add_tokens(self, room_id: RoomId, offset: int, tokens: list[int]) -> bool:
         key = P + f"tokens:{room_id}"
 
         async def add() -> bool:
@@ -308,7 +308,7 @@ class RedisStore(Store):
         added: bool = await self._call(add)
         return added
 
-    async def tokens(self, room_id: int) -> list[int]:
+    async def tokens(self, room_id: RoomId) -> list[int]:
         return [int(t) for t in await self._call(self._redis.lrange, P + f"tokens:{room_id}", 0, -1)]
 
     # -- bootstraps -------------------------------------------------------------------

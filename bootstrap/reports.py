@@ -97,7 +97,7 @@ class ReportIntake:
             if room is None:
                 self._metrics.rejected.labels("unknown_room").inc()
                 log.warning(
-                    "room=%d report from %s for a room it does not hold",
+                    "transfer=%d report from %s for a room it does not hold",
                     status.transfer,
                     node.id,
                     extra={"room": status.transfer},

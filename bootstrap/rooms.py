@@ -94,7 +94,7 @@ def add_attempt(room: RoomData, attempt: Attempt) -> None:
     room.timestamps = {RoomState.BOOTSTRAPPING.name: time.time()}
 
 
-def attempt_of(room: RoomData, transfer: int) -> int:
+def attempt_of(room: RoomData, transfer: protocol.TransferId) -> int:
     return next(i for i, a in enumerate(room.attempts) if a.transfer == transfer)
 
 

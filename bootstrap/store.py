@@ -19,7 +19,7 @@ from typing import Protocol
 import msgspec
 
 from shared.errors import KvroomError
-from shared.wire.protocol import RoomRecord, TransferId
+from shared.wire.protocol import RoomId, RoomRecord, TransferId
 
 Change = Callable[["RoomData"], bool]  # mutates the room; True if it changed anything
 
@@ -45,7 +45,7 @@ class RoomData(RoomRecord, kw_only=True):
     """Everything the bootstrap knows of a room: its request, its placements, and its record (the
     current attempt's, from its decode's reports)."""
 
-    room: int
+    room: RoomId
     input_ids: list[int]
     max_new_tokens: int
     stop: list[str]
@@ -95,7 +95,7 @@ class Load(msgspec.Struct):
 class RoomEvents(Protocol):
     """Who hears what the store tells of rooms, given to the store when it is made."""
 
-    def changed(self, room: int) -> None:
+    def changed(self, room: RoomId) -> None:
         """A room changed, on this bootstrap or another."""
 
     def resync(self) -> None:
@@ -133,18 +133,18 @@ class Store(abc.ABC):
     async def remove_node(self, node_id: str) -> None: ...
 
     @abc.abstractmethod
-    async def reserve(self, node_id: str, pages: int, capacity: int, room: int) -> bool:
+    async def reserve(self, node_id: str, pages: int, capacity: int, room: RoomId) -> bool:
         """Take ``pages`` of the node's ``capacity`` for ``room``, atomically; False if they are not free.
         A room holds one reservation on a node: taking it again changes nothing."""
 
     @abc.abstractmethod
-    async def release(self, node_id: str, pages: int, room: int) -> None: ...
+    async def release(self, node_id: str, pages: int, room: RoomId) -> None: ...
 
     @abc.abstractmethod
     async def load(self, node_id: str) -> Load: ...
 
     @abc.abstractmethod
-    async def rooms_on(self, node_id: str) -> set[int]:
+    async def rooms_on(self, node_id: str) -> set[RoomId]:
         """Rooms in flight placed on the node."""
 
     # -- rooms ------------------------------------------------------------------------
@@ -154,35 +154,35 @@ class Store(abc.ABC):
         """Store a new room; False if its id is taken."""
 
     @abc.abstractmethod
-    async def room(self, room_id: int) -> RoomData | None: ...
+    async def room(self, room_id: RoomId) -> RoomData | None: ...
 
     @abc.abstractmethod
-    async def update_room(self, room_id: int, change: Change) -> RoomData | None:
+    async def update_room(self, room_id: RoomId, change: Change) -> RoomData | None:
         """Apply ``change`` atomically (a finished room is kept for a while, then forgotten).
 
         ``change`` returns whether it changed the room; one that returns False must leave it as
         it was: a store may hand it the stored room itself."""
 
     @abc.abstractmethod
-    async def link_transfer(self, transfer: TransferId, room_id: int) -> None:
+    async def link_transfer(self, transfer: TransferId, room_id: RoomId) -> None:
         """Remember which room an attempt's transfer id belongs to."""
 
     @abc.abstractmethod
-    async def room_of(self, transfer: TransferId) -> int | None: ...
+    async def room_of(self, transfer: TransferId) -> RoomId | None: ...
 
     @abc.abstractmethod
     async def recent(self, limit: int) -> list[RoomData]:
         """The newest rooms first."""
 
     @abc.abstractmethod
-    async def in_flight(self) -> list[int]: ...
+    async def in_flight(self) -> list[RoomId]: ...
 
     @abc.abstractmethod
-    async def add_tokens(self, room_id: int, offset: int, tokens: list[int]) -> bool:
+    async def add_tokens(self, room_id: RoomId, offset: int, tokens: list[int]) -> bool:
         """Streamed tokens, in order; a chunk that repeats or skips ahead is refused."""
 
     @abc.abstractmethod
-    async def tokens(self, room_id: int) -> list[int]: ...
+    async def tokens(self, room_id: RoomId) -> list[int]: ...
 
     # -- bootstraps -------------------------------------------------------------------
 
@@ -214,10 +214,10 @@ class MemoryStore(Store):
         self._nodes: dict[str, NodeData] = {}
         self._leases: dict[str, float] = {}  # node -> monotonic deadline
         self._loads: dict[str, Load] = {}
-        self._placed: dict[str, set[int]] = collections.defaultdict(set)
-        self._rooms: collections.OrderedDict[int, RoomData] = collections.OrderedDict()
-        self._transfers: dict[int, int] = {}
-        self._tokens: dict[int, list[int]] = {}
+        self._placed: dict[str, set[RoomId]] = collections.defaultdict(set)
+        self._rooms: collections.OrderedDict[RoomId, RoomData] = collections.OrderedDict()
+        self._transfers: dict[TransferId, RoomId] = {}
+        self._tokens: dict[RoomId, list[int]] = {}
         self._bootstraps: dict[str, BootstrapInfo] = {}
         self._bootstrap_leases: dict[str, float] = {}  # id -> when its announcement runs out
         self._epoch = secrets.token_hex(8)  # a restart is a new store: its first heartbeat says so
@@ -249,7 +249,7 @@ class MemoryStore(Store):
         self._nodes.pop(node_id, None)
         self._leases.pop(node_id, None)
 
-    async def reserve(self, node_id: str, pages: int, capacity: int, room: int) -> bool:
+    async def reserve(self, node_id: str, pages: int, capacity: int, room: RoomId) -> bool:
         load = self._loads.setdefault(node_id, Load())
         if room in self._placed[node_id]:
             return True
@@ -260,7 +260,7 @@ class MemoryStore(Store):
         self._placed[node_id].add(room)
         return True
 
-    async def release(self, node_id: str, pages: int, room: int) -> None:
+    async def release(self, node_id: str, pages: int, room: RoomId) -> None:
         if room not in self._placed[node_id]:
             return
         self._placed[node_id].discard(room)
@@ -271,7 +271,7 @@ class MemoryStore(Store):
     async def load(self, node_id: str) -> Load:
         return self._loads.get(node_id, Load())
 
-    async def rooms_on(self, node_id: str) -> set[int]:
+    async def rooms_on(self, node_id: str) -> set[RoomId]:
         return set(self._placed.get(node_id, ()))
 
     async def create_room(self, room: RoomData) -> bool:
@@ -295,10 +295,10 @@ class MemoryStore(Store):
             for attempt in oldest.attempts:
                 self._transfers.pop(attempt.transfer, None)
 
-    async def room(self, room_id: int) -> RoomData | None:
+    async def room(self, room_id: RoomId) -> RoomData | None:
         return self._rooms.get(room_id)
 
-    async def update_room(self, room_id: int, change: Change) -> RoomData | None:
+    async def update_room(self, room_id: RoomId, change: Change) -> RoomData | None:
         room = self._rooms.get(room_id)
         if room is None:
             return None
@@ -308,10 +308,10 @@ class MemoryStore(Store):
             self.events.changed(room_id)
         return room
 
-    async def link_transfer(self, transfer: TransferId, room_id: int) -> None:
+    async def link_transfer(self, transfer: TransferId, room_id: RoomId) -> None:
         self._transfers[transfer] = room_id
 
-    async def room_of(self, transfer: TransferId) -> int | None:
+    async def room_of(self, transfer: TransferId) -> RoomId | None:
         return self._transfers.get(transfer)
 
     async def recent(self, limit: int) -> list[RoomData]:
@@ -322,10 +322,10 @@ class MemoryStore(Store):
                 break
         return out
 
-    async def in_flight(self) -> list[int]:
+    async def in_flight(self) -> list[RoomId]:
         return [r.room for r in self._rooms.values() if not r.done]
 
-    async def add_tokens(self, room_id: int, offset: int, tokens: list[int]) -> bool:
+    async def add_tokens(self, room_id: RoomId, offset: int, tokens: list[int]) -> bool:
         have = self._tokens.setdefault(room_id, [])
         if offset != len(have):
             return False
@@ -333,7 +333,7 @@ class MemoryStore(Store):
         self.events.changed(room_id)
         return True
 
-    async def tokens(self, room_id: int) -> list[int]:
+    async def tokens(self, room_id: RoomId) -> list[int]:
         return list(self._tokens.get(room_id, ()))
 
     async def announce(self, me: BootstrapInfo, lease_s: float) -> None:

@@ -6,15 +6,16 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from bootstrap.store import RoomData, Store
+from shared.wire.protocol import RoomId
 
 
 class Waiters:
     """The store's ``RoomEvents``: each waiter holds an event, set when its room changes."""
 
     def __init__(self) -> None:
-        self._events: dict[int, set[asyncio.Event]] = {}
+        self._events: dict[RoomId, set[asyncio.Event]] = {}
 
-    def changed(self, room: int) -> None:
+    def changed(self, room: RoomId) -> None:
         for event in self._events.get(room, ()):
             event.set()
 
@@ -25,7 +26,7 @@ class Waiters:
                 event.set()
 
     @contextlib.asynccontextmanager
-    async def watching(self, room: int) -> AsyncIterator[asyncio.Event]:
+    async def watching(self, room: RoomId) -> AsyncIterator[asyncio.Event]:
         """An event set whenever the room changes, while the block runs."""
         event = asyncio.Event()
         self._events.setdefault(room, set()).add(event)
@@ -38,7 +39,7 @@ class Waiters:
                 del self._events[room]
 
     async def wait(
-        self, store: Store, room_id: int, seconds: float, until: Callable[[RoomData], bool]
+        self, store: Store, room_id: RoomId, seconds: float, until: Callable[[RoomData], bool]
     ) -> RoomData | None:
         """The room once ``until`` holds for it, or as it is when ``seconds`` ran out."""
         deadline = time.monotonic() + seconds

@@ -159,7 +159,9 @@ class DecodeService(RankService):
             heads = [HeadRange(p.kv_head_start, p.kv_head_count) for p in ranks if p is not None]
             job.writers = writers(heads, self.source.kv_heads, self.rank.index)
         except ValueError as exc:
-            log.warning("room=%d prefill ranks do not map onto ours: %s", job.id, exc, extra={"room": job.id})
+            log.warning(
+                "transfer=%d prefill ranks do not map onto ours: %s", job.id, exc, extra={"room": job.id}
+            )
             self.set_local(job, RoomState.FAILED, FailureReason.AUX_INVALID)
             return
         try:
@@ -167,7 +169,7 @@ class DecodeService(RankService):
             for prefill_rank in job.writers:
                 job.slots[prefill_rank] = self.aux.alloc()
         except PoolExhausted as exc:
-            log.warning("room=%d %s", job.id, exc, extra={"room": job.id})
+            log.warning("transfer=%d %s", job.id, exc, extra={"room": job.id})
             self.set_local(job, RoomState.FAILED, FailureReason.NO_CAPACITY)
             return
         kv_pages = job.pages[: self.layout.pages_for(msg.prompt_len)]
@@ -211,7 +213,7 @@ class DecodeService(RankService):
         so one for a finished room is expected and dropped without complaint.
         """
         if room not in self.rooms.live and (self.rooms.find(room) is not None or room in self.fenced):
-            log.debug("room=%d progress notice after the room ended", room, extra={"room": room})
+            log.debug("transfer=%d progress notice after the room ended", room, extra={"room": room})
             return None
         return self._job_for(room, rank, prefill_rank, sender)
 
@@ -251,7 +253,7 @@ class DecodeService(RankService):
             self._landed(job, p, Landed(landed, msg.pages_written, True))
             return
         if msg.digests is None or len(msg.digests) != msg.pages_written:
-            log.warning("room=%d no page digests from prefill rank %d", job.id, p, extra={"room": job.id})
+            log.warning("transfer=%d no page digests from prefill rank %d", job.id, p, extra={"room": job.id})
             self._landed(job, p, Landed(landed, msg.pages_written, False))
             return
         # Our pages as they are now, with the prefill's kind of digest: a small room's at once,
@@ -303,7 +305,7 @@ class DecodeService(RankService):
             ours = pending.result()
         except Exception:  # pages that could not be digested are not verified
             log.exception(
-                "room=%d could not digest the pages of prefill rank %d", job.id, p, extra={"room": job.id}
+                "transfer=%d could not digest the pages of prefill rank %d", job.id, p, extra={"room": job.id}
             )
             ours = None
         intact = ours == msg.digests
@@ -311,7 +313,7 @@ class DecodeService(RankService):
             pairs = enumerate(zip(ours, msg.digests or [], strict=False))
             bad = next((i for i, (a, b) in pairs if a != b), min(len(ours), len(msg.digests or [])))
             log.error(
-                "room=%d page %d from prefill rank %d does not match its digest",
+                "transfer=%d page %d from prefill rank %d does not match its digest",
                 job.id,
                 bad,
                 p,
@@ -331,7 +333,7 @@ class DecodeService(RankService):
         )
         verdict = rank_verdict(expected, job.landed)
         if isinstance(verdict, Invalid):
-            log.warning("room=%d aux rejected: %s", job.id, verdict.detail, extra={"room": job.id})
+            log.warning("transfer=%d aux rejected: %s", job.id, verdict.detail, extra={"room": job.id})
             self.set_local(job, RoomState.FAILED, verdict.reason)
             return
         if isinstance(verdict, Pending):
@@ -339,7 +341,7 @@ class DecodeService(RankService):
                 kind = "aux_missing" if landed.record is None else "aux_corrupt"
                 self.metrics.rejected.labels(kind).inc()
                 log.warning(
-                    "room=%d done from prefill rank %d came without an intact aux record (%s); waiting",
+                    "transfer=%d done from prefill rank %d came without an intact aux record (%s); waiting",
                     job.id,
                     p,
                     kind,
@@ -454,7 +456,7 @@ class DecodeService(RankService):
             job.output_ids, job.finish_reason = result.output_ids, result.finish_reason
             job.timings["decode_s"] = seconds
         except Exception:
-            log.exception("room=%d decode failed", job.id, extra={"room": job.id})
+            log.exception("transfer=%d decode failed", job.id, extra={"room": job.id})
             outcome, reason = "failed", FailureReason.DECODE_FAILED
         finally:
             job.decoding = False
@@ -525,7 +527,7 @@ class DecodeService(RankService):
             expired = [rank for rank, lease in job.leases.items() if lease.expire_if_due(now)]
             if expired:
                 log.warning(
-                    "room=%d lease expired with no answer from prefill ranks %s",
+                    "transfer=%d lease expired with no answer from prefill ranks %s",
                     job.id,
                     expired,
                     extra={"room": job.id},

@@ -145,7 +145,7 @@ class PrefillService(RankService):
                     job.targets[peer.rank] = mine
             job.pages = self.pool.alloc(self.layout.room_pages("prefill", len(msg.input_ids), 0))
         except (PoolExhausted, ValueError) as exc:
-            log.warning("room=%d %s", job.id, exc, extra={"room": job.id})
+            log.warning("transfer=%d %s", job.id, exc, extra={"room": job.id})
             self.set_local(
                 job,
                 RoomState.FAILED,
@@ -158,7 +158,11 @@ class PrefillService(RankService):
             except RejectedMessage as exc:
                 self.metrics.rejected.labels(exc.kind).inc()
                 log.warning(
-                    "room=%d dropped early request (%s): %s", job.id, exc.kind, exc, extra={"room": job.id}
+                    "transfer=%d dropped early request (%s): %s",
+                    job.id,
+                    exc.kind,
+                    exc,
+                    extra={"room": job.id},
                 )
 
     def _compute(self, job: PrefillJob) -> None:
@@ -190,7 +194,7 @@ class PrefillService(RankService):
         try:
             first, logprob = await asyncio.wrap_future(future)
         except Exception:
-            log.exception("room=%d prefill failed", job.id, extra={"room": job.id})
+            log.exception("transfer=%d prefill failed", job.id, extra={"room": job.id})
             job.computing = False
             self.set_local(job, RoomState.FAILED, FailureReason.PREFILL_FAILED)
             self._settle(job)
@@ -363,7 +367,7 @@ class PrefillService(RankService):
         borrow = job.borrow(task.decode_rank)
         if outcome.unresolved:
             log.warning(
-                "room=%d KV write gave up while it may still move: %s",
+                "transfer=%d KV write gave up while it may still move: %s",
                 job.id,
                 outcome.error,
                 extra={"room": job.id},
@@ -371,7 +375,7 @@ class PrefillService(RankService):
             borrow.gave_up(time.monotonic() + self.settings.lease_timeout_s)
             self.set_local(job, RoomState.FAILED, FailureReason.TRANSFER_TIMEOUT)
         elif outcome.error is not None:
-            log.warning("room=%d KV write failed: %s", job.id, outcome.error, extra={"room": job.id})
+            log.warning("transfer=%d KV write failed: %s", job.id, outcome.error, extra={"room": job.id})
             borrow.to(BorrowState.STOPPED)
             self.set_local(job, RoomState.FAILED, FailureReason.TRANSFER_FAILED)
         elif outcome.sent:
@@ -395,7 +399,7 @@ class PrefillService(RankService):
         """A write that had given up is over now: nothing of it moves any more."""
         job = self.rooms.find(room)
         if isinstance(job, PrefillJob) and job.borrow(decode_rank).state is BorrowState.UNRESOLVED:
-            log.info("room=%d the write that gave up has ended", room, extra={"room": room})
+            log.info("transfer=%d the write that gave up has ended", room, extra={"room": room})
             job.borrow(decode_rank).to(BorrowState.STOPPED)
             self._settle(job)
 
@@ -449,7 +453,7 @@ class PrefillService(RankService):
             expired = [b for b in job.borrows.values() if b.expire_if_due(now)]
             if expired:
                 log.warning(
-                    "room=%d lease ended with writes still unresolved; pages reused",
+                    "transfer=%d lease ended with writes still unresolved; pages reused",
                     job.id,
                     extra={"room": job.id},
                 )
@@ -459,7 +463,7 @@ class PrefillService(RankService):
             for _ in range(len(waiting) - len(kept)):
                 self.metrics.rejected.labels("expired").inc()
                 log.warning(
-                    "room=%d transfer request expired before its room arrived", room, extra={"room": room}
+                    "transfer=%d transfer request expired before its room arrived", room, extra={"room": room}
                 )
             if kept:
                 self.early[room] = kept

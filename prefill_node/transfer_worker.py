@@ -177,7 +177,9 @@ class TransferWorker:
             try:
                 live.append((outcome, task.digests.start() if task.digests is not None else None))
             except Exception as exc:  # never let one room end the worker
-                log.exception("room=%d transfer worker failed", task.transfer, extra={"room": task.transfer})
+                log.exception(
+                    "transfer=%d transfer worker failed", task.transfer, extra={"room": task.transfer}
+                )
                 outcome.error = repr(exc)
                 yield outcome
         if not live:
@@ -199,7 +201,7 @@ class TransferWorker:
             if broken is not None:
                 # Its writes may still move, and the engine cannot be asked: the lease decides.
                 room = outcome.task.transfer
-                log.error("room=%d transfer engine failed: %r", room, broken, extra={"room": room})
+                log.error("transfer=%d transfer engine failed: %r", room, broken, extra={"room": room})
                 outcome.error, outcome.unresolved = repr(broken), True
             else:
                 outcome.seconds = time.perf_counter() - started
@@ -233,7 +235,7 @@ class TransferWorker:
             frames = protocol.encode(done, task.aux)
             outcome.sent = self._push.send(task.peer.zmq_endpoint, task.peer.public_key, frames)
         except Exception as exc:  # never let one room end the worker
-            log.exception("room=%d transfer worker failed", task.transfer, extra={"room": task.transfer})
+            log.exception("transfer=%d transfer worker failed", task.transfer, extra={"room": task.transfer})
             outcome.error = repr(exc)
 
     def _poll_quarantine(self) -> None:

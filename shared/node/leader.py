@@ -110,7 +110,7 @@ class NodeLeader:
         """
         rooms = self.service.rooms
         if self.draining and not isinstance(msg, protocol.AbortRoom) and rooms.find(msg.transfer) is None:
-            log.info("room=%d refused: the node drains", msg.transfer, extra={"room": msg.transfer})
+            log.info("transfer=%d refused: the node drains", msg.transfer, extra={"room": msg.transfer})
             self.service.metrics.failures.labels(FailureReason.DRAINING).inc()
             self.link.report(rooms.ended_unseen(msg.transfer, FailureReason.DRAINING))
             return

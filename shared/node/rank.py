@@ -261,7 +261,7 @@ class RankService(abc.ABC):
                 self.metrics.rejected.labels(exc.kind).inc()
                 name = type(item).__name__
                 log.warning(
-                    "room=%d dropped %s (%s): %s",
+                    "transfer=%d dropped %s (%s): %s",
                     item.transfer,
                     name,
                     exc.kind,

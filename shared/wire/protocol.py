@@ -81,6 +81,8 @@ MAX_ROOM_ID = (1 << 53) - 1
 # bootstrap): a room's first placement has the room's id, one placed again a new one.
 TransferId = NewType("TransferId", int)
 Transfer = Annotated[TransferId, msgspec.Meta(gt=0, le=MAX_ROOM_ID)]
+# A client's room: it keeps its id across re-placements, while each placement gets a TransferId.
+RoomId = NewType("RoomId", int)
 Rank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_RANKS)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
 Digest = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
