@@ -251,6 +251,8 @@ class PrefillService(RankService):
             raise reject(f"this rank writes nothing into decode rank {req.decode_rank}", "bad_rank")
         if req.decode_rank in job.requests:
             raise reject("duplicate", "duplicate")
+        if req.layer_stride:
+            raise reject("pages one layer each (a vLLM decode) cannot take kvroom's pages")
         want = peer.kv_head_count * self.layout.head_bytes
         if req.page_bytes != want:
             raise reject(f"page of {req.page_bytes} bytes, {peer.kv_head_count} heads take {want}")

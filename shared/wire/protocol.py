@@ -42,6 +42,9 @@ Changelog
        report and rank state names it ``transfer`` (it was ``room``, the same number
        but a different id from the client's room after a re-placement). KvDone is
        DoneAux, the name of its kind.
+    7  TRANSFER_REQUEST may name ``layer_stride``: the decode's KV is a vLLM paged cache, one
+       region per layer that far apart, a page (vLLM's block) in each; 0 for kvroom's own pages,
+       which hold every layer. Registrations name the engine that holds the KV.
 """
 
 import enum
@@ -59,7 +62,7 @@ from shared.errors import (
 from shared.kv.head_split import HeadRange
 from shared.room.states import RoomState, failed, public_state
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 MAGIC = b"KVRM"
 _HEADER = struct.Struct("!4sHB")
 HEADER_BYTES = _HEADER.size
@@ -195,6 +198,9 @@ class TransferRequest(msgspec.Struct, frozen=True):
     page_bytes: Annotated[int, msgspec.Meta(ge=1, le=1 << 30)]
     page_indices: Annotated[list[NonNegative], msgspec.Meta(max_length=MAX_PAGES_PER_ROOM)]
     aux_slot: NonNegative
+    # Bytes from one layer's pages to the next's, where each layer has its own region (a vLLM
+    # decode: ``page_bytes`` is then one layer's block); 0: a page holds every layer.
+    layer_stride: NonNegative = 0
 
 
 class TransferRequests(msgspec.Struct, frozen=True):

@@ -34,6 +34,9 @@ class ModelIdentity(Strict):
     vocab_size: int = Field(ge=1, le=1 << 24)
     page_size: int = Field(ge=1, le=1024)
     protocol_version: int = protocol.PROTOCOL_VERSION
+    # What computes and holds the KV: kvroom's own nodes, or a vLLM server with kvroom's connector
+    # ("vllm 0.32.0"). The two lay KV out differently, so they never exchange it.
+    engine: str = Field(default="kvroom", pattern=r"^(kvroom|vllm [0-9A-Za-z.+-]{1,32})$")
 
     @property
     def compat_hash(self) -> str:
@@ -90,10 +93,21 @@ class NodeRegistration(Strict):
     num_pages: int = Field(ge=1, le=1 << 30, description="KV pages per rank")
     verify_kv: bool = False
     heartbeat_interval_s: float = Field(default=1.0, gt=0, le=3600)
+    report_key: str = Field(
+        default="",
+        pattern=r"^$|" + Z85_KEY,
+        description="the CURVE key the node's reports come from, where it is not rank 0's "
+        "(a vLLM server reports from its scheduler process)",
+    )
 
     @property
     def tp_size(self) -> int:
         return len(self.ranks)
+
+    @property
+    def is_vllm(self) -> bool:
+        """A vLLM server: its rooms come as requests to its OpenAI endpoint (``http_url``)."""
+        return self.model.engine != "kvroom"
 
 
 class RankStatus(Strict):

@@ -182,3 +182,21 @@ def test_an_abort_that_overtook_its_room_refuses_the_room_when_it_comes():
         assert (ended.state, ended.reason) == (RoomState.FAILED, "aborted")
 
     run(test)
+
+
+def test_a_request_for_pages_of_one_layer_each_is_refused():
+    """A vLLM decode's request (its pages one layer each) never reaches a kvroom prefill through
+    the bootstrap, which refuses to mix the two; sent anyway, it is refused and nothing is written."""
+
+    async def test(service, engine, sent):
+        service.handle_assignment(protocol.PrefillRoom(ROOM, [65] * 4, "decode-0", [DECODE]))
+        pages = list(range(service.layout.pages_for(4)))
+        page_bytes = DECODE.kv_head_count * service.layout.head_bytes
+        request = protocol.TransferRequest(
+            ROOM, 0, 0, service.pool.base_ptr, 32, page_bytes, pages, 0, layer_stride=page_bytes * 32
+        )
+        with pytest.raises(RejectedMessage, match="one layer each"):
+            service.handle_peer(request, None, None)
+        assert service.rooms.find(ROOM).requests == {}
+
+    run(test, progress_notice_s=0)
