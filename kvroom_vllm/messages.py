@@ -1,0 +1,95 @@
+"""What crosses between the bootstrap, vLLM's scheduler and its workers for a kvroom room.
+
+``RoomParams`` is what the bootstrap puts in a request's ``kv_transfer_params["kvroom"]``; the
+rest is what the scheduler half hands its workers each step (``StepPlan``) and what the workers
+hand back (``WorkerReport``), as plain data vLLM can carry between processes.
+"""
+
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+
+import msgspec
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+from shared.wire import protocol
+
+
+class RoomParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One placement of a room on this server: its transfer id, which side this server is, and
+    how the other side's ranks are reached (the bootstrap's registration of them)."""
+
+    transfer: protocol.Transfer
+    role: Literal["prefill", "decode"]
+    peer_node: protocol.Text
+    peers: Annotated[list[protocol.PeerRank], msgspec.Meta(min_length=1, max_length=protocol.MAX_RANKS)]
+
+
+def room_params(kv_transfer_params: dict[str, Any] | None) -> RoomParams | None:
+    """The request's kvroom placement, or None for a request that is not a kvroom room.
+
+    Raises ValueError for a ``kvroom`` entry that is not a placement."""
+    raw = (kv_transfer_params or {}).get("kvroom")
+    if raw is None:
+        return None
+    try:
+        return msgspec.convert(raw, RoomParams)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"kv_transfer_params.kvroom: {exc}") from None
+
+
+@dataclass(frozen=True)
+class Load:
+    """Decode: bring the prompt's KV into these blocks."""
+
+    req_id: str
+    room: RoomParams
+    blocks: list[int]
+    prompt_len: int
+
+
+@dataclass(frozen=True)
+class Send:
+    """Prefill: the prompt is computed; its KV is in these blocks, its first token sampled."""
+
+    req_id: str
+    room: RoomParams
+    blocks: list[int]
+    prompt_len: int
+    first_token: int
+
+
+@dataclass
+class StepPlan(KVConnectorMetadata):
+    """Scheduler -> workers, once per engine step."""
+
+    loads: list[Load] = field(default_factory=list)
+    sends: list[Send] = field(default_factory=list)
+    # Decode requests that ended before their KV was in: write nothing more into their blocks.
+    stopped_loads: list[str] = field(default_factory=list)
+    # Rooms this server will never load (their requests ended before their blocks were taken):
+    # the prefill ranks may give their blocks back now.
+    revoked: list[RoomParams] = field(default_factory=list)
+
+
+@dataclass
+class WorkerReport(KVConnectorWorkerMetadata):
+    """Workers -> scheduler, once per engine step: why loads failed, and loads whose writes began."""
+
+    failed: dict[str, str] = field(default_factory=dict)  # request -> reason
+    transferring: set[str] = field(default_factory=set)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> "WorkerReport":
+        assert isinstance(other, WorkerReport)
+        return WorkerReport({**other.failed, **self.failed}, self.transferring | other.transferring)
+
+
+@dataclass
+class RankHandshake(KVConnectorHandshakeMetadata):
+    """Worker -> scheduler, once at start: how peers reach this rank."""
+
+    peer: dict[str, Any]  # a protocol.PeerRank as builtins
+    num_blocks: int

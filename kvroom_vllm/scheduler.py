@@ -1,0 +1,266 @@
+"""The scheduler half of the connector: a vLLM server's rooms, and the node the bootstrap knows.
+
+It runs in vLLM's engine-core process. For vLLM it answers which prompts load from the other
+side and hands the workers each step's plan; for kvroom it is the node: it registers the server
+with the bootstrap (every worker's rank, from vLLM's handshake), beats, and reports each room's
+state from its own CURVE key. A decode room is SUCCESS only once vLLM's workers all reported its
+load finished without a failure, which each worker decided with kvroom's gate.
+
+vLLM calls it from its engine thread; the node (registration, heartbeats, reports) lives on an
+event loop of its own, and every room record is changed there.
+"""
+
+import asyncio
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import vllm
+from vllm.v1.request import Request, RequestStatus
+
+from kvroom_vllm.messages import Load, RankHandshake, RoomParams, Send, StepPlan, WorkerReport, room_params
+from kvroom_vllm.settings import VllmNodeSettings
+from shared.cli import VERSION
+from shared.models.files import tokenizer_digest, weights_digest
+from shared.node.membership import Membership
+from shared.node.reports import BootstrapLink
+from shared.room.record import Room, RoomTable
+from shared.room.states import FailureReason, RoomState
+from shared.wire import protocol
+from shared.wire.registration import Heartbeat, ModelIdentity, NodeRegistration, RankStatus
+from shared.wire.security import ZapHandler, security_for
+from shared.wire.zmq_io import PushSockets
+
+log = logging.getLogger(__name__)
+
+# Requests that end a prompt's use on a prefill server with its KV whole, to be sent.
+PROMPT_COMPUTED = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+
+
+@dataclass
+class Tracked:
+    room: RoomParams
+    loading: bool = False  # decode: its load was handed to the workers and has not finished
+
+
+class SchedulerHalf:
+    def __init__(self, vllm_config: Any, settings: VllmNodeSettings, role: str, num_blocks: int):
+        self.settings = settings
+        self.role = role
+        self.node_id = settings.resolved_node_id(f"vllm-{role}")
+        self.identity = model_identity(vllm_config)
+        self.num_blocks = num_blocks
+        self._requests: dict[str, Tracked] = {}
+        self._plan = StepPlan()
+        self._failures: dict[str, str] = {}  # decode loads that failed on some worker, until all finished
+        self._free_blocks = lambda: 0
+        self.security = security_for(settings.zmq_security, settings.curve_key_file)
+        self.rooms = RoomTable()
+        self._loop = asyncio.new_event_loop()
+        self._thread: threading.Thread | None = None
+        self._ranks: list[protocol.PeerRank] = []
+
+    # -- vLLM's engine thread: the node ------------------------------------------------
+
+    def set_free_blocks(self, free_blocks: Any) -> None:
+        self._free_blocks = free_blocks
+
+    def start(self, handshakes: dict[int, RankHandshake]) -> None:
+        """Every worker's rank is known: register with the bootstrap and keep beating."""
+        ranks = [protocol.PeerRank(**handshakes[r].peer) for r in sorted(handshakes)]
+        if [r.rank for r in ranks] != list(range(len(ranks))):
+            raise ValueError(f"vLLM's workers gave ranks {[r.rank for r in ranks]}")
+        self._ranks = ranks
+        self.num_blocks = min(h.num_blocks for h in handshakes.values())
+        ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(ready,), name="kvroom-node", daemon=True)
+        self._thread.start()
+        ready.wait(10)
+
+    def _run(self, ready: threading.Event) -> None:
+        asyncio.set_event_loop(self._loop)
+        import zmq
+
+        context = zmq.Context()
+        zap = ZapHandler(context) if self.security.keys else None
+        self.push = PushSockets(context, self.security)
+        self.link = BootstrapLink(self.node_id, self.push.send, self._loop)
+        self.membership = Membership(
+            self.settings,
+            self.node_id,
+            self.link,
+            self.registration,
+            self.heartbeat,
+            lambda: list(self.rooms.live.values()),
+            self._orphaned,
+        )
+        task = self._loop.create_task(self.membership.run())
+        ready.set()
+        try:
+            self._loop.run_forever()
+        finally:
+            task.cancel()
+            self.push.close()
+            if zap is not None:
+                zap.close()
+            context.term()
+
+    def registration(self) -> NodeRegistration:
+        return NodeRegistration(
+            node_id=self.node_id,
+            role=self.role,  # type: ignore[arg-type]
+            http_url=self.settings.http_url,
+            version=VERSION,
+            ranks=self._ranks,
+            model=self.identity,
+            num_pages=self.num_blocks,
+            heartbeat_interval_s=self.settings.heartbeat_interval_s,
+            report_key=self.security.public_key,
+        )
+
+    def heartbeat(self) -> Heartbeat:
+        live = list(self.rooms.live)
+        free = int(self._free_blocks())
+        return Heartbeat(
+            rooms_in_flight=len(live),
+            transfers=live[:4096],
+            free_pages=free,
+            ranks=[RankStatus(rank=r.rank, alive=True, free_pages=free) for r in self._ranks],
+        )
+
+    def _orphaned(self, transfers: list[protocol.TransferId]) -> None:
+        for transfer in transfers:
+            room = self.rooms.live.get(transfer)
+            if room is not None:
+                room.fail(FailureReason.ORPHANED)
+                self.rooms.retire(room)
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(5)
+
+    # -- vLLM's engine thread: rooms ---------------------------------------------------
+
+    def _params(self, request: Request) -> RoomParams | None:
+        try:
+            room = room_params(request.kv_transfer_params)
+        except ValueError as exc:
+            log.warning("request %s is served as a plain one: %s", request.request_id, exc)
+            return None
+        if room is not None and room.role != self.role:
+            log.warning("request %s is a %s room on a %s server", request.request_id, room.role, self.role)
+            return None
+        return room
+
+    def matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        room = self._params(request)
+        if room is None or self.role != "decode" or request.request_id in self._requests:
+            return 0, False
+        count = len(request.prompt_token_ids or []) - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def allocated(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+        room = self._params(request)
+        if room is None or num_external_tokens <= 0 or request.request_id in self._requests:
+            return
+        self._requests[request.request_id] = Tracked(room, loading=True)
+        prompt_len = len(request.prompt_token_ids or [])
+        self._plan.loads.append(Load(request.request_id, room, block_ids, prompt_len))
+        self._on_loop(self._open, room.transfer)
+
+    def step_plan(self) -> StepPlan:
+        plan, self._plan = self._plan, StepPlan()
+        return plan
+
+    def finished(self, request: Request, block_ids: list[int]) -> bool:
+        """vLLM is done with the request; True: keep its blocks until the workers say so."""
+        room = self._params(request)
+        if room is None:
+            return False
+        tracked = self._requests.get(request.request_id)
+        if self.role == "decode":
+            if tracked is None:  # ended before its blocks were taken: its writers may stop now
+                self._plan.revoked.append(room)
+            elif tracked.loading:
+                self._plan.stopped_loads.append(request.request_id)
+            else:
+                del self._requests[request.request_id]
+            return False
+        if request.status not in PROMPT_COMPUTED or not block_ids or not request.output_token_ids:
+            return False
+        self._requests[request.request_id] = Tracked(room)
+        first = request.output_token_ids[0]
+        self._plan.sends.append(
+            Send(request.request_id, room, list(block_ids), request.num_prompt_tokens, first)
+        )
+        self._on_loop(self._open, room.transfer)
+        return True
+
+    def took_output(self, output: Any) -> None:
+        """What the workers finished this step (vLLM's KVConnectorOutput, summed over workers)."""
+        report = output.kv_connector_worker_meta
+        if isinstance(report, WorkerReport):
+            self._failures.update(report.failed)
+            for req_id in report.transferring:
+                tracked = self._requests.get(req_id)
+                if tracked is not None:
+                    self._on_loop(self._advance, tracked.room.transfer, RoomState.TRANSFERRING, None)
+        for req_id in output.finished_recving or ():
+            tracked = self._requests.get(req_id)
+            if tracked is None:
+                continue
+            tracked.loading = False
+            reason = self._failures.pop(req_id, None)
+            if reason is None and req_id in (output.failed_recving or ()):
+                reason = FailureReason.TRANSFER_FAILED
+            self._on_loop(self._advance, tracked.room.transfer, RoomState.SUCCESS, reason)
+        for req_id in output.finished_sending or ():
+            tracked = self._requests.pop(req_id, None)
+            if tracked is not None:
+                reason = self._failures.pop(req_id, None)
+                self._on_loop(self._advance, tracked.room.transfer, RoomState.SUCCESS, reason)
+
+    # -- the node's loop ---------------------------------------------------------------
+
+    def _on_loop(self, fn: Any, *args: Any) -> None:
+        self._loop.call_soon_threadsafe(fn, *args)
+
+    def _open(self, transfer: protocol.TransferId) -> None:
+        if self.rooms.find(transfer) is None:
+            room = Room(transfer, self.link.report)
+            self.rooms.add(room)
+            self.link.report(room)
+
+    def _advance(self, transfer: protocol.TransferId, state: RoomState, reason: str | None) -> None:
+        room = self.rooms.live.get(transfer)
+        if room is None:
+            return
+        if reason is not None:
+            room.fail(reason)
+        else:
+            room.advance_to(state)
+        if room.state.terminal:
+            self.rooms.retire(room)
+
+
+def model_identity(vllm_config: Any) -> ModelIdentity:
+    """What the bootstrap compares between nodes, from vLLM's own configuration."""
+    model = vllm_config.model_config
+    return ModelIdentity(
+        name=model.served_model_name
+        if isinstance(model.served_model_name, str)
+        else model.served_model_name[0],
+        architecture=(model.hf_config.architectures or ["unknown"])[0],
+        weights=weights_digest(model.model),
+        tokenizer=tokenizer_digest(model.tokenizer or model.model),
+        dtype=str(model.dtype).removeprefix("torch."),
+        num_layers=model.get_total_num_hidden_layers(),
+        num_heads=model.hf_text_config.num_attention_heads,
+        num_kv_heads=model.get_total_num_kv_heads(),
+        head_dim=model.get_head_size(),
+        vocab_size=model.get_vocab_size(),
+        page_size=vllm_config.cache_config.block_size,
+        engine=f"vllm {vllm.__version__}",
+    )
