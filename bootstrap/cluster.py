@@ -60,7 +60,14 @@ class Cluster:
         self._registry = Registry(self.store, self.metrics)
         self._placement = Placement(settings, self.store, self._registry, self.metrics)
         self._lifecycle = RoomLifecycle(
-            settings, self.store, self._registry, self._placement, self._push, self._tasks, self.metrics
+            settings,
+            self.store,
+            self._registry,
+            self._placement,
+            self._push,
+            self._tasks,
+            self.metrics,
+            self._waiters,
         )
         self._directory = NodeDirectory(
             settings,
@@ -175,6 +182,7 @@ class Cluster:
 
     async def close(self) -> None:
         self._tasks.cancel()
+        await self._lifecycle.close()
         await self.store.close()
         self._push.close()
         if self._zap is not None:

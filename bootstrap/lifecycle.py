@@ -3,7 +3,9 @@
 A room that fails before SUCCESS for a reason that says nothing about the request (a lost node, no
 capacity, a timeout) is placed again, on other nodes where there are, up to ``max_attempts`` times.
 Every room ends: a room not ended by its deadline ends FAILED ``deadline``, and a placed room no node
-has reported on has its assignments sent again, then its attempt fails.
+has reported on has its assignments sent again, then its attempt fails. On vLLM nodes an attempt
+is two HTTP requests to the nodes' OpenAI servers (``bootstrap.vllm_driver``) instead of ZMQ
+assignments, and ending the attempt cancels them.
 """
 
 import logging
@@ -16,6 +18,8 @@ from bootstrap.registry import Node, Registry
 from bootstrap.settings import BootstrapSettings
 from bootstrap.store import Attempt, RoomData, Store, StoreUnavailable
 from bootstrap.tasks import Tasks
+from bootstrap.vllm_driver import VllmDriver
+from bootstrap.waiters import Waiters
 from shared.metrics import ServiceMetrics
 from shared.room.states import FailureReason, RoomState
 from shared.wire import protocol
@@ -40,6 +44,7 @@ class RoomLifecycle:
         push: PushSockets,
         tasks: Tasks,
         metrics: ServiceMetrics,
+        waiters: Waiters,
     ):
         self._settings = settings
         self._store = store
@@ -48,6 +53,14 @@ class RoomLifecycle:
         self._tasks = tasks
         self._metrics = metrics
         self._outbox = Outbox(push, self._lost)
+        self._vllm = VllmDriver(
+            settings,
+            store,
+            waiters,
+            tasks,
+            lambda room_id, reason, transfer: self.fail(room_id, reason, transfer=transfer),
+            self.finished,
+        )
         self._in_flight = 0
         metrics.gauge_function("kvroom_rooms_in_flight", "Rooms not ended", lambda: self._in_flight)
 
@@ -96,6 +109,9 @@ class RoomLifecycle:
         return room
 
     def _assign(self, room: RoomData, prefill: Node, decode: Node) -> None:
+        if prefill.reg.is_vllm or decode.reg.is_vllm:
+            self._vllm.start(room, prefill, decode)  # requests to their OpenAI servers
+            return
         transfer, ids = room.attempt.transfer, room.input_ids
         self._outbox.room(
             prefill.leader, protocol.PrefillRoom(transfer, ids, decode.id, decode.peers), room.room
@@ -122,15 +138,21 @@ class RoomLifecycle:
             await self.fail(room_id, FailureReason.PEER_LOST, dead_node=node_id)
 
     async def fail(
-        self, room_id: protocol.RoomId, reason: str, dead_node: str | None = None, final: bool = False
+        self,
+        room_id: protocol.RoomId,
+        reason: str,
+        dead_node: str | None = None,
+        final: bool = False,
+        transfer: protocol.TransferId | None = None,
     ) -> bool:
-        """End the room's current attempt with ``reason``: place it again if it may be, else end it."""
+        """End the room's current attempt with ``reason``: place it again if it may be, else end it.
+        With ``transfer``, only if that is still the current attempt's."""
         retry = False
         ended: Attempt | None = None
 
         def change(room: RoomData) -> bool:
             nonlocal retry, ended
-            if room.done:
+            if room.done or (transfer is not None and room.attempt.transfer != transfer):
                 return False
             ended = room.attempt
             retry = not final and rooms.replaceable(room, reason, self._settings.max_attempts)
@@ -146,6 +168,8 @@ class RoomLifecycle:
         room = await self._store.update_room(room_id, change)
         if room is None or ended is None:
             return False
+        # On vLLM nodes: closing the attempt's requests makes vLLM abort them (a dead node's too).
+        self._vllm.cancel(ended.transfer)
         for node_id in (ended.prefill, ended.decode):
             if node_id and node_id != dead_node:
                 await self._abort_on(node_id, ended.transfer, reason, peer_gone=dead_node is not None)
@@ -217,10 +241,13 @@ class RoomLifecycle:
         self, node_id: str, transfer: protocol.TransferId, reason: str, peer_gone: bool = False
     ) -> None:
         node = self._registry.known(node_id) or await self._registry.node(node_id)
-        if node is not None:
+        if node is not None and not node.reg.is_vllm:  # a vLLM node's attempt is cancelled in fail()
             self._outbox.abort(
                 node.leader, protocol.AbortRoom(transfer=transfer, rank=0, reason=reason, peer_gone=peer_gone)
             )
+
+    async def close(self) -> None:
+        await self._vllm.close()
 
     def _count_end(self, room: RoomData) -> None:
         self._in_flight = max(0, self._in_flight - 1)
@@ -252,6 +279,8 @@ class RoomLifecycle:
         decode = await self._registry.node(attempt.decode)
         if prefill is None or decode is None or prefill.data.dead or decode.data.dead:
             return  # the dead node's rooms are failed or placed again where it is reaped
+        if prefill.reg.is_vllm or decode.reg.is_vllm:
+            return  # its requests are in flight, and fail the attempt if they cannot be made
         resend = False
 
         def change(r: RoomData) -> bool:

@@ -39,8 +39,14 @@ class Node:
 
     @property
     def key(self) -> str:
-        """The CURVE key the node reports with (its rank 0's)."""
+        """The CURVE key of the node's leader, rank 0, whose socket the bootstrap watches."""
         return self.reg.ranks[0].public_key
+
+    @property
+    def report_key(self) -> str:
+        """The CURVE key the node reports with: rank 0's, unless it named another (a vLLM server
+        reports from its scheduler process)."""
+        return self.reg.report_key or self.key
 
     @property
     def heartbeat(self) -> Heartbeat:

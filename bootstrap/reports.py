@@ -69,7 +69,7 @@ class ReportIntake:
         node = self._registry.known(node_id)
         if node is None:
             raise RejectedMessage(f"report from unregistered node {node_id}", kind="unknown_node")
-        if sender is not None and sender != node.key:
+        if sender is not None and sender != node.report_key:
             raise RejectedMessage(f"report naming node {node_id} from another key", kind="unauthorized")
         return node
 

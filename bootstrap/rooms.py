@@ -129,13 +129,19 @@ def apply(room: RoomData, index: int, role: str, report: protocol.RoomStatus) ->
         advance(room, step, report.timestamps.get(step.name))
     if room.state == RoomState.SUCCESS and report.outcome is not None:
         if report.outcome == "completed":
-            room.output_ids = report.output_ids or []
-            room.finish_reason = report.finish_reason
-            room.outcome = "completed"
-            room.done = True
+            complete(room, report.output_ids or [], report.finish_reason)
         else:
             end(room, report.reason or FailureReason.DECODE_FAILED)
     return None
+
+
+def complete(room: RoomData, output_ids: list[int], finish_reason: str | None) -> None:
+    """The request ended well, after its transfer's SUCCESS: the room ends with its output."""
+    assert room.state == RoomState.SUCCESS and not room.done
+    room.output_ids = output_ids
+    room.finish_reason = finish_reason
+    room.outcome = "completed"
+    room.done = True
 
 
 def view(

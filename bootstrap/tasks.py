@@ -16,10 +16,11 @@ class Tasks:
         self._running: set[asyncio.Future[Any]] = set()
         self._store_failed = False
 
-    def spawn(self, work: Awaitable[Any]) -> None:
+    def spawn(self, work: Awaitable[Any]) -> "asyncio.Future[Any]":
         task = asyncio.ensure_future(work)
         self._running.add(task)
         task.add_done_callback(self._done)
+        return task
 
     def _done(self, task: "asyncio.Future[Any]") -> None:
         self._running.discard(task)
