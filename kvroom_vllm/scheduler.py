@@ -101,6 +101,7 @@ class SchedulerHalf:
             self._loop.run_forever()
         finally:
             task.cancel()
+            self._loop.run_until_complete(asyncio.gather(task, return_exceptions=True))
             self.push.close()
             if zap is not None:
                 zap.close()

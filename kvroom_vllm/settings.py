@@ -47,6 +47,9 @@ class VllmNodeSettings(NodeSettings):
     transfer_timeout_s: float = Field(
         30.0, gt=0, description="seconds a room may take from its request to its validated KV"
     )
+    aux_timeout_s: float = Field(
+        5.0, gt=0, description="seconds a room may wait for an intact aux record once its KV is done"
+    )
     aux_slots: int = Field(1024, ge=1, le=1 << 16, description="aux records a decode rank can hold at once")
 
     @model_validator(mode="before")

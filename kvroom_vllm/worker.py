@@ -36,7 +36,7 @@ from shared.kv.layout import total_bytes
 from shared.kv.transfer import MooncakeEngine, TransferEngine, WriteUnresolved
 from shared.metrics import ServiceMetrics
 from shared.node.rank import RankService
-from shared.room.gate import Expected, Invalid, Landed, Ready, rank_verdict
+from shared.room.gate import Expected, Invalid, Landed, Pending, Ready, rank_verdict
 from shared.room.states import FailureReason
 from shared.wire import protocol
 from shared.wire.security import Security, ZapHandler, security_for
@@ -144,6 +144,7 @@ class WorkerHalf:
                 self._loop.run_forever()
             finally:
                 task.cancel()
+                self._loop.run_until_complete(asyncio.gather(task, return_exceptions=True))
                 pull.close(0)
 
         self._thread = threading.Thread(target=run, name=f"kvroom-rank-{self.rank}", daemon=True)
@@ -467,11 +468,17 @@ class WorkerHalf:
                 written if written else total_bytes(writes),
                 time.time(),
             )
+            # vLLM keeps the first token's logprob in its output processor, out of the connector's
+            # reach: the record carries 0 (no rule reads it).
             record = Aux(send.room.transfer, send.first_token, send.prompt_len, 0.0).pack()
-            self.push.send(peer.zmq_endpoint, peer.public_key, protocol.encode(done, record))
+            self.send_done_aux(peer, done, record)
         else:
             self._released(sending, decode_rank, outcome or "revoked")
         self._settle_send(sending)
+
+    def send_done_aux(self, peer: protocol.PeerRank, done: protocol.DoneAux, record: bytes) -> None:
+        """The one place done+aux leaves a prefill rank, after every write of it completed."""
+        self.push.send(peer.zmq_endpoint, peer.public_key, protocol.encode(done, record))
 
     def _on_done(self, msg: protocol.DoneAux, aux: memoryview | None, sender: str | None) -> None:
         loading = self._loads.get(msg.transfer)
@@ -499,6 +506,16 @@ class WorkerHalf:
         if isinstance(verdict, Invalid):
             log.warning("transfer=%d %s: %s", load.room.transfer, verdict.reason, verdict.detail)
             self._fail_load(loading, verdict.reason)
+        elif isinstance(verdict, Pending) and verdict.corrupt:
+            # The KV is done but its record did not arrive intact: a copy may follow, for a while.
+            log.warning(
+                "transfer=%d aux record from ranks %s not intact; waiting",
+                load.room.transfer,
+                sorted(verdict.corrupt),
+            )
+            if loading.timer is not None:
+                loading.timer.cancel()
+            loading.timer = self._loop.call_later(self.settings.aux_timeout_s, self._timed_out, loading)
         elif isinstance(verdict, Ready):
             if loading.timer is not None:
                 loading.timer.cancel()

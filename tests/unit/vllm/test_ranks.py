@@ -1,0 +1,174 @@
+"""The connector's worker half: a prefill rank and a decode rank in one process, over real ZMQ
+sockets, with vLLM's KV layout in torch tensors and the fake engine moving the bytes (the real
+engine and real vLLM servers are in tests/integration/test_vllm.py)."""
+
+import pytest
+import torch
+
+from kvroom_vllm.messages import Load, RoomParams, Send, StepPlan
+from kvroom_vllm.paged_kv import PagedKV, paged_kv
+from kvroom_vllm.settings import settings_from
+from kvroom_vllm.worker import WorkerHalf
+from launcher.local_stack import free_port
+from shared.kv.aux_buffers import AUX_RECORD
+from shared.kv.head_split import HeadRange
+from shared.room.states import FailureReason
+from shared.wire import protocol
+from tests.support import until
+from tests.support.fakes import FakeEngine
+
+LAYERS, BLOCKS, HEADS, TOKENS, CHANNELS = 3, 16, 2, 4, 8  # a block: 2 heads of 4 tokens, K|V of 4
+VOCAB = 512
+PROMPT = 10  # 3 blocks of 4 tokens
+TRANSFER = protocol.TransferId(77)
+
+
+def kv_caches() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Layers as vLLM allocates them on CPU: views of one tensor, a layer after another."""
+    whole = torch.zeros(LAYERS, BLOCKS, HEADS, TOKENS, CHANNELS)
+    return whole, {f"model.layers.{i}.self_attn.attn": whole[i] for i in range(LAYERS)}
+
+
+class Rank:
+    def __init__(self, role: str, directory: dict, **settings: object):
+        self.whole, layers = kv_caches()
+        extra = {
+            "http_url": f"http://127.0.0.1:{free_port()}",
+            "zmq_port": free_port(),
+            "zmq_security": "plain",
+            "transfer_timeout_s": 5.0,
+            "lease_timeout_s": 5.0,
+            **settings,
+        }
+        self.half = WorkerHalf(settings_from(extra), 0, 1, HEADS, VOCAB, role)
+        self.half.start(paged_kv(layers, HeadRange(0, HEADS)), FakeEngine(role, directory))
+        self.peer = protocol.PeerRank(**self.half.handshake().peer)
+        self.sending: set[str] = set()
+        self.recving: set[str] = set()
+        self.invalid: set[int] = set()
+        self.failed: dict[str, str] = {}
+
+    def poll(self) -> "Rank":
+        sending, recving, invalid, report = self.half.results()
+        self.sending |= sending
+        self.recving |= recving
+        self.invalid |= invalid
+        self.failed |= report.failed
+        return self
+
+    def close(self) -> None:
+        self.half.close()
+
+
+class HeldDoneAux(WorkerHalf):
+    """A prefill rank whose done+aux waits until the test lets it go, or is changed on the way."""
+
+    held: list[tuple] = []
+    tamper = False
+
+    def send_done_aux(self, peer, done, record):
+        if self.tamper:
+            record = bytes([record[0] ^ 1]) + record[1:]
+        self.held.append((peer, done, record))
+
+
+def room(role: str, peer: protocol.PeerRank) -> RoomParams:
+    return RoomParams(TRANSFER, role, "other", [peer])  # type: ignore[arg-type]
+
+
+def start(prefill: Rank, decode: Rank, src=(5, 6, 7), dst=(2, 9, 11)) -> None:
+    prefill.whole[:, list(src)] = torch.randn(LAYERS, len(src), HEADS, TOKENS, CHANNELS)
+    decode.half.take_plan(StepPlan(loads=[Load("d-1", room("decode", prefill.peer), list(dst), PROMPT)]))
+    send = Send("p-1", room("prefill", decode.peer), list(src), PROMPT, first_token=42)
+    prefill.half.take_plan(StepPlan(sends=[send]))
+
+
+def test_a_prompt_moves_block_by_block_layer_by_layer_and_both_finish():
+    directory: dict = {}
+    prefill, decode = Rank("prefill", directory), Rank("decode", directory)
+    try:
+        start(prefill, decode)
+        until(lambda: "d-1" in decode.poll().recving and "p-1" in prefill.poll().sending)
+        assert decode.failed == {} and decode.invalid == set()
+        assert torch.equal(decode.whole[:, [2, 9, 11]], prefill.whole[:, [5, 6, 7]])
+        assert decode.whole[:, [0, 1, 3]].abs().sum() == 0  # nothing else was written
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_the_load_waits_for_the_aux_record_and_fails_on_a_changed_one():
+    directory: dict = {}
+    HeldDoneAux.held = []
+    prefill, decode = Rank("prefill", directory), Rank("decode", directory, aux_timeout_s=0.3)
+    prefill.half.__class__ = HeldDoneAux
+    try:
+        start(prefill, decode)
+        until(lambda: HeldDoneAux.held)
+        assert torch.equal(decode.whole[:, [2, 9, 11]], prefill.whole[:, [5, 6, 7]])
+        assert decode.poll().recving == set()  # the KV is in; without its aux record the load is not done
+        peer, done, record = HeldDoneAux.held.pop()
+        changed = bytes([record[0] ^ 1]) + record[1:]
+        WorkerHalf.send_done_aux(prefill.half, peer, done, changed)
+        until(lambda: "d-1" in decode.poll().recving)
+        assert decode.failed == {"d-1": FailureReason.AUX_TIMEOUT}  # no intact copy came
+        assert decode.invalid == {2, 9, 11}
+        assert len(changed) == AUX_RECORD.size
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_a_load_that_times_out_is_finished_for_vllm_only_once_the_prefill_released_it():
+    directory: dict = {}
+    HeldDoneAux.held = []
+    prefill = Rank("prefill", directory, transfer_timeout_s=5.0)
+    decode = Rank("decode", directory, transfer_timeout_s=0.3, lease_timeout_s=30.0)
+    prefill.half.__class__ = HeldDoneAux  # its done+aux never leaves
+    try:
+        start(prefill, decode)
+        # The decode gives up, revokes; the prefill's write is done, so it releases at once.
+        until(lambda: "d-1" in decode.poll().recving, timeout=10)
+        assert decode.failed == {"d-1": FailureReason.TRANSFER_TIMEOUT}  # no done+aux came
+        until(lambda: "p-1" in prefill.poll().sending)
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_a_decode_that_ends_before_loading_lets_the_prefill_free_its_blocks_at_once():
+    directory: dict = {}
+    prefill, decode = Rank("prefill", directory, transfer_timeout_s=30.0), Rank("decode", directory)
+    try:
+        decode.half.take_plan(StepPlan(revoked=[room("decode", prefill.peer)]))
+        until(lambda: TRANSFER in prefill.half._revoked)
+        send = Send("p-1", room("prefill", decode.peer), [1, 2, 3], PROMPT, first_token=42)
+        prefill.half.take_plan(StepPlan(sends=[send]))
+        until(lambda: "p-1" in prefill.poll().sending, timeout=3)
+        assert directory["prefill"] and not prefill.half.engine.writes  # type: ignore[attr-defined]
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_paged_kv_refuses_layers_it_cannot_address_as_one_region():
+    _, layers = kv_caches()
+    kv = paged_kv(layers, HeadRange(0, HEADS))
+    assert isinstance(kv, PagedKV)
+    assert kv.layer_stride == BLOCKS * kv.block_bytes and kv.head_bytes == TOKENS * CHANNELS * 4
+    apart = {
+        "a": torch.zeros(BLOCKS, HEADS, TOKENS, CHANNELS),
+        "b": torch.zeros(BLOCKS, HEADS, TOKENS, CHANNELS),
+    }
+    with pytest.raises(ValueError, match="fixed stride|overlap"):
+        paged_kv({**apart, "c": torch.zeros(BLOCKS, HEADS, TOKENS, CHANNELS)}, HeadRange(0, HEADS))
+    with pytest.raises(ValueError, match="heads"):
+        paged_kv(layers, HeadRange(0, 1))
+
+
+def test_settings_refuse_what_vllm_decides_and_need_the_servers_url():
+    with pytest.raises(ValueError, match="num_pages"):
+        settings_from({"http_url": "http://127.0.0.1:8100", "zmq_port": 9100, "num_pages": 10})
+    with pytest.raises(ValueError, match="http_url"):
+        settings_from({"zmq_port": 9100})
+    assert settings_from({"http_url": "http://127.0.0.1:8100", "zmq_port": 9100}).http_port == 8100
