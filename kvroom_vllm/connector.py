@@ -53,6 +53,8 @@ def _log_through_vllm() -> None:
 
 
 class KvroomConnector(KVConnectorBase_V1):
+    worker_class = WorkerHalf  # what a worker process runs (a test's subclass may watch it)
+
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config, role, kv_cache_config)
         _log_through_vllm()
@@ -70,7 +72,7 @@ class KvroomConnector(KVConnectorBase_V1):
             self._scheduler = SchedulerHalf(vllm_config, settings, side, num_blocks)
         else:
             model = vllm_config.model_config
-            self._worker = WorkerHalf(
+            self._worker = self.worker_class(
                 settings,
                 get_tensor_model_parallel_rank(),
                 get_tensor_model_parallel_world_size(),

@@ -1,0 +1,133 @@
+"""kvroom inside vLLM: real vLLM servers (CPU) with KvroomConnector behind a kvroom bootstrap (CURVE,
+join token), against one plain vLLM serving the same tiny Llama.
+
+Each server holds its core busy while it lives: the plain one runs alone, before the pair.
+"""
+
+import concurrent.futures
+import random
+
+import httpx
+import pytest
+
+from tests.support import until
+from tests.support.vllm_servers import VLLM_PYTHON, VllmCluster, VllmServer, tiny_llama
+
+pytestmark = pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="bash setup.sh vllm makes .venv-vllm")
+
+HOOKED = {"kv_connector": "HookedKvroomConnector", "kv_connector_module_path": "tests.support.vllm_hooks"}
+MAX_TOKENS = 12
+CHAT = {"messages": [{"role": "user", "content": "hi there"}], "max_tokens": 8}
+
+
+def prompts() -> list[list[int] | str]:
+    """20 prompts: a 1-token one, one of about 400, token ids of lengths between, and texts."""
+    rng = random.Random(7)
+    ids: list[list[int] | str] = [[rng.randrange(3, 500)]]
+    ids += [[rng.randrange(3, 500) for _ in range(n)] for n in (400, 2, 17, 64, 127, 128, 129, 255, 300)]
+    ids += [[rng.randrange(3, 500) for _ in range(rng.randrange(5, 200))] for _ in range(6)]
+    ids += ["hello world", "the cat sits on the mat and looks at the", "a" * 50, "1 2 3 4 5 6 7 8"]
+    return ids
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return tiny_llama(tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="module")
+def plain(model, tmp_path_factory):
+    """What one plain vLLM answers, token for token, for each prompt; then it is stopped."""
+    server = VllmServer("vllm-plain", model, tmp_path_factory.mktemp("plain"), core=0).start()
+    try:
+        server.wait_ready()
+        out = {}
+        with httpx.Client(base_url=server.url, timeout=120) as client:
+            for prompt in prompts():
+                body = {"model": model.name, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+                choice = client.post("/v1/completions", json={**body, "return_token_ids": True}).json()
+                out[str(prompt)] = choice["choices"][0]["token_ids"]
+            chat = {**CHAT, "model": model.name, "temperature": 0, "return_token_ids": True}
+            out["chat"] = client.post("/v1/chat/completions", json=chat).json()["choices"][0]["token_ids"]
+        return out
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(model, plain, tmp_path_factory):
+    c = VllmCluster(tmp_path_factory.mktemp("vllm-pd"), model)
+    try:
+        c.start()
+        yield c
+    finally:
+        c.stop()
+        for server in c.servers:
+            print(f"----- {server.name} -----\n{server.log_tail(30)}")
+
+
+def complete(client: httpx.Client, model_name: str, prompt, **extra) -> dict:
+    body = {"model": model_name, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, **extra}
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def output_ids(client: httpx.Client, answer: dict) -> list[int]:
+    """The tokens of the room that answered (token ids, where texts differ in how a partial
+    character at the end is shown)."""
+    room = answer["id"].split("-", 1)[1]
+    view = client.get(f"/rooms/{room}").json()
+    assert view["state"] == "SUCCESS" and view["outcome"] == "completed", view
+    return view["output_ids"]
+
+
+def test_every_output_equals_one_plain_vllm_token_for_token_one_at_a_time_and_eight_at_once(
+    cluster, plain, model
+):
+    prefill, decode = cluster.servers
+    loaded_before = decode.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+    prompt_tokens = 0
+    with cluster.client() as client:
+        for prompt in prompts():
+            answer = complete(client, model.name, prompt)
+            assert output_ids(client, answer) == plain[str(prompt)], prompt
+            prompt_tokens += answer["usage"]["prompt_tokens"]
+        # The decode computed none of these prompts itself: their KV came through kvroom.
+        loaded = decode.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+        assert loaded - loaded_before >= prompt_tokens - len(prompts())  # a 1-token prompt is recomputed
+        # Again, 8 at once: the decode now holds some of each prompt, and loads the rest.
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(lambda p: (p, complete(client, model.name, p)), prompts()))
+        for prompt, answer in answers:
+            assert output_ids(client, answer) == plain[str(prompt)], prompt
+    until(
+        lambda: (
+            decode.metric("vllm:kv_cache_usage_perc") == 0 and prefill.metric("vllm:kv_cache_usage_perc") == 0
+        )
+    )
+
+
+def test_a_streamed_completion_equals_the_whole_one_and_a_chat_completion_equals_plain_vllm(
+    cluster, plain, model
+):
+    prompt = "the cat sits on the mat and looks at the"
+    with cluster.client() as client:
+        whole = complete(client, model.name, prompt)["choices"][0]["text"]
+        body = {
+            "model": model.name,
+            "prompt": prompt,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "stream": True,
+        }
+        text = ""
+        with client.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    text += httpx.Response(200, content=line[6:]).json()["choices"][0]["text"]
+        assert text == whole
+        answer = client.post("/v1/chat/completions", json={**CHAT, "model": model.name})
+        assert answer.status_code == 200, answer.text
+        assert output_ids(client, answer.json()) == plain["chat"]

@@ -1,0 +1,37 @@
+"""A KvroomConnector whose prefill ranks hold back or change their done+aux when a test says so.
+
+The test drives it with files in the directory ``$KVROOM_TEST_HOOKS`` names: while ``hold``
+exists, done+aux waits (and ``held-<transfer>`` says one is waiting); while ``tamper`` exists,
+each record leaves with one bit flipped.
+"""
+
+import asyncio
+import os
+from pathlib import Path
+
+from kvroom_vllm.connector import KvroomConnector
+from kvroom_vllm.worker import WorkerHalf
+from shared.wire import protocol
+
+
+class HookedWorker(WorkerHalf):
+    def send_done_aux(self, peer: protocol.PeerRank, done: protocol.DoneAux, record: bytes) -> None:
+        hooks = Path(os.environ["KVROOM_TEST_HOOKS"])
+        if (hooks / "tamper").exists():
+            record = bytes([record[0] ^ 1]) + record[1:]
+        if (hooks / "hold").exists():
+            (hooks / f"held-{done.transfer}").touch()
+            asyncio.get_running_loop().create_task(self._send_when_let_go(hooks, peer, done, record))
+            return
+        super().send_done_aux(peer, done, record)
+
+    async def _send_when_let_go(
+        self, hooks: Path, peer: protocol.PeerRank, done: protocol.DoneAux, record: bytes
+    ) -> None:
+        while (hooks / "hold").exists():
+            await asyncio.sleep(0.05)
+        super().send_done_aux(peer, done, record)
+
+
+class HookedKvroomConnector(KvroomConnector):
+    worker_class = HookedWorker
