@@ -148,6 +148,10 @@ class Cluster:
     async def abort(self, room_id: RoomId) -> bool:
         return await self._lifecycle.abort(room_id)
 
+    def abort_soon(self, room_id: RoomId) -> None:
+        """Abort the room without waiting: its client is gone (a stream cut mid-way)."""
+        self._tasks.spawn(self.abort(room_id))
+
     # -- running ----------------------------------------------------------------------------
 
     async def receive_reports(self, ready: asyncio.Event) -> None:

@@ -153,15 +153,34 @@ class _Streamer:
         return out
 
 
+def _sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + msgspec.json.encode(payload) + b"\n\n"
+
+
 async def _events(
     cluster: Any, room_id: RoomId, stops: list[str], chunk: Callable[..., dict[str, Any]], usage: bool
 ) -> AsyncIterator[bytes]:
-    def event(payload: dict[str, Any]) -> bytes:
-        return b"data: " + msgspec.json.encode(payload) + b"\n\n"
-
     streamer = _Streamer(cluster, stops)
     deadline = time.monotonic() + cluster.settings.request_timeout_s
-    yield event(chunk("", None, first=True))
+    ended = False
+    try:
+        yield _sse(chunk("", None, first=True))
+        async for payload in _room_events(cluster, room_id, streamer, chunk, usage, deadline):
+            yield payload
+        ended = True
+    finally:
+        if not ended:  # the client left mid-stream: its room, on both nodes, ends now
+            cluster.abort_soon(room_id)
+
+
+async def _room_events(
+    cluster: Any,
+    room_id: RoomId,
+    streamer: "_Streamer",
+    chunk: Callable[..., dict[str, Any]],
+    usage: bool,
+    deadline: float,
+) -> AsyncIterator[bytes]:
     async with cluster.watching(room_id) as changed:
         while True:
             changed.clear()
@@ -171,7 +190,7 @@ async def _events(
                 break
             text = streamer.delta(streamed, final=False)
             if text:
-                yield event(chunk(text, None))
+                yield _sse(chunk(text, None))
             left = deadline - time.monotonic()
             if left <= 0:
                 break
@@ -185,14 +204,14 @@ async def _events(
             "param": None,
             "code": reason,
         }
-        yield event({"error": error})
+        yield _sse({"error": error})
     else:
         text = streamer.delta(room.output_ids if room.output_ids is not None else streamed, final=True)
         if text:
-            yield event(chunk(text, None))
-        yield event(chunk("", room.finish_reason or "length"))
+            yield _sse(chunk(text, None))
+        yield _sse(chunk("", room.finish_reason or "length"))
         if usage:
-            yield event({**chunk("", None), "choices": [], "usage": _usage(room, streamed)})
+            yield _sse({**chunk("", None), "choices": [], "usage": _usage(room, streamed)})
     yield b"data: [DONE]\n\n"
 
 

@@ -34,6 +34,8 @@ CONNECT_TIMEOUT_S = 5.0
 MAX_CONNECTIONS = 1024
 # The decode's response is complete: its SUCCESS report may still be on its way over ZMQ.
 SUCCESS_WAIT_S = 10.0
+# A request failed: its node's report of why may still be on its way over ZMQ.
+REPORTED_FAILURE_WAIT_S = 2.0
 FINISH_REASONS = ("stop", "length")
 
 # lifecycle.fail for one attempt: (room, reason, the attempt's transfer).
@@ -153,6 +155,15 @@ class VllmDriver:
             log.warning(
                 "room=%d transfer=%d failed: %s", room.room, transfer, failure, extra={"room": room.room}
             )
+            if failure.reason != FailureReason.PEER_LOST:
+                # A vLLM request fails when its connector failed the transfer: that node's report,
+                # with the reason why, may still be on its way.
+                await self._waiters.wait(
+                    self._store,
+                    room.room,
+                    REPORTED_FAILURE_WAIT_S,
+                    lambda r: r.done or r.attempt.transfer != transfer,
+                )
             await self._fail(room.room, failure.reason, transfer)
             return
         output, finish_reason = decoded.result()
@@ -166,7 +177,7 @@ class VllmDriver:
             raise AttemptFailed(FailureReason.PEER_LOST, f"prefill node {prefill.id}: {exc!r}") from exc
         if response.is_error:
             raise AttemptFailed(
-                f"{FailureReason.PREFILL_FAILED}: {prefill.id} answered {response.status_code}",
+                FailureReason.PREFILL_FAILED,
                 f"prefill node {prefill.id} answered {response.status_code}: {response.text[:200]}",
             )
 
@@ -183,7 +194,7 @@ class VllmDriver:
                 if response.is_error:
                     await response.aread()
                     raise AttemptFailed(
-                        f"{FailureReason.DECODE_FAILED}: {decode.id} answered {response.status_code}",
+                        FailureReason.DECODE_FAILED,
                         f"decode node {decode.id} answered {response.status_code}: {response.text[:200]}",
                     )
                 async for line in response.aiter_lines():
@@ -192,7 +203,7 @@ class VllmDriver:
                         continue
                     if "error" in event:
                         raise AttemptFailed(
-                            f"{FailureReason.DECODE_FAILED}: {decode.id} failed mid-stream",
+                            FailureReason.DECODE_FAILED,
                             f"decode node {decode.id} failed mid-stream: {event['error']}",
                         )
                     for choice in event.get("choices", []):
@@ -204,14 +215,14 @@ class VllmDriver:
             raise AttemptFailed(FailureReason.PEER_LOST, f"decode node {decode.id}: {exc!r}") from exc
         except msgspec.DecodeError as exc:
             raise AttemptFailed(
-                f"{FailureReason.DECODE_FAILED}: {decode.id} sent an invalid event",
+                FailureReason.DECODE_FAILED,
                 f"decode node {decode.id} sent an invalid event: {exc}",
             ) from exc
         if finish_reason is None:
             raise AttemptFailed(FailureReason.PEER_LOST, f"decode node {decode.id} ended its stream early")
         if finish_reason not in FINISH_REASONS:
             raise AttemptFailed(
-                f"{FailureReason.DECODE_FAILED}: {decode.id} finished {finish_reason}",
+                FailureReason.DECODE_FAILED,
                 f"decode node {decode.id} finished {finish_reason}",
             )
         return output, finish_reason

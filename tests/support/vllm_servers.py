@@ -115,19 +115,28 @@ class VllmServer:
 class VllmCluster:
     """A kvroom bootstrap (CURVE, join token) and vLLM servers with kvroom's connector."""
 
-    def __init__(self, log_dir: Path, model: Path, bootstrap_args: list[str] | None = None):
+    def __init__(
+        self,
+        log_dir: Path,
+        model: Path,
+        bootstrap_args: list[str] | None = None,
+        connector: dict[str, str] = CONNECTOR,
+        env: dict[str, str] | None = None,
+    ):
         self.log_dir = log_dir
         self.model = model
+        self.connector = connector
+        self.env = env or {}
         self.stack = LocalStack(log_dir, bootstrap_args=["--model", str(model), *(bootstrap_args or [])])
         self.bootstrap: Service = self.stack.bootstrap
         self.servers: list[VllmServer] = []
 
-    def server(self, role: str, node_id: str, core: int, connector: dict[str, str] = CONNECTOR, **extra):
+    def server(self, role: str, node_id: str, core: int, **extra: object) -> VllmServer:
         kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
-        env = {"KVROOM_JOIN_TOKEN": self.stack.join_token or ""}
+        env = {"KVROOM_JOIN_TOKEN": self.stack.join_token or "", **self.env}
         settings = {"bootstrap_url": self.bootstrap.url, "node_id": node_id, **extra}
         server = VllmServer(node_id, self.model, self.log_dir, core, env)
-        self.servers.append(server.with_connector(kv_role, settings, connector))
+        self.servers.append(server.with_connector(kv_role, settings, self.connector))
         return server
 
     def start(self, **extra: object) -> tuple[VllmServer, VllmServer]:

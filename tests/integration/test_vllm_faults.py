@@ -1,0 +1,186 @@
+"""kvroom's guarantee and faults inside vLLM: real vLLM servers whose prefill ranks can hold back or
+change their done+aux (tests/support/vllm_hooks.py), behind a kvroom bootstrap that declares a
+silent node dead after 4 s. The tests run in order; the last one kills the prefill server.
+"""
+
+import concurrent.futures
+import json
+import signal
+import time
+
+import httpx
+import pytest
+
+from tests.support import until
+from tests.support.vllm_servers import VLLM_PYTHON, VllmCluster, tiny_llama
+
+pytestmark = pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="bash setup.sh vllm makes .venv-vllm")
+
+HOOKED = {"kv_connector": "HookedKvroomConnector", "kv_connector_module_path": "tests.support.vllm_hooks"}
+NODE_TTL_S = 4.0
+FAST = {
+    "transfer_timeout_s": 4.0,
+    "lease_timeout_s": 3.0,
+    "aux_timeout_s": 1.0,
+    "heartbeat_interval_s": 0.3,
+    "register_retry_s": 0.2,
+}
+PROMPT = [17, 93, 211, 5, 388, 42, 250, 7] * 20  # 160 tokens: two blocks
+
+
+@pytest.fixture(scope="module")
+def hooks(tmp_path_factory):
+    return tmp_path_factory.mktemp("hooks")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, hooks):
+    model = tiny_llama(tmp_path_factory.mktemp("models"))
+    bootstrap = ["--node-ttl-s", str(NODE_TTL_S), "--max-attempts", "1"]
+    c = VllmCluster(
+        tmp_path_factory.mktemp("vllm-faults"), model, bootstrap, HOOKED, {"KVROOM_TEST_HOOKS": str(hooks)}
+    )
+    try:
+        c.start(**FAST)
+        yield c
+    finally:
+        c.stop()
+        for server in c.servers:
+            print(f"----- {server.name} -----\n{server.log_tail(30)}")
+
+
+def body(cluster, **extra) -> dict:
+    return {"model": cluster.model.name, "prompt": PROMPT, "max_tokens": 8, "temperature": 0, **extra}
+
+
+def blocks_free(*servers) -> bool:
+    return all(s.metric("vllm:kv_cache_usage_perc") == 0 for s in servers)
+
+
+class Stream:
+    """A streamed completion read on a thread: its room id at once, then its text."""
+
+    def __init__(self, cluster, leave_at_once: bool = False):
+        self.room: str | None = None
+        self.text = ""
+        self.error: dict | None = None
+        self._leave = leave_at_once
+        self._pool = concurrent.futures.ThreadPoolExecutor(1)
+        self.done = self._pool.submit(self._read, cluster)
+
+    def _read(self, cluster) -> None:
+        with (
+            cluster.client() as client,
+            client.stream("POST", "/v1/completions", json=body(cluster, stream=True)) as r,
+        ):
+            assert r.status_code == 200, r.read()
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                event = json.loads(line[6:])
+                self.room = self.room or event.get("id", "").removeprefix("cmpl-")
+                if "error" in event:
+                    self.error = event["error"]
+                    return
+                if self._leave:
+                    return  # the connection closes mid-stream
+                self.text += event["choices"][0]["text"]
+
+
+def room(cluster, room_id: str) -> dict:
+    with cluster.client() as client:
+        return client.get(f"/rooms/{room_id}").json()
+
+
+def test_vllm_does_not_start_decoding_until_the_aux_record_lands(cluster, hooks):
+    decode = cluster.servers[1]
+    with cluster.client() as client:
+        answer = client.post("/v1/completions", json=body(cluster))
+        assert answer.status_code == 200, answer.text
+    (hooks / "hold").touch()
+    try:
+        stream = Stream(cluster)
+        until(lambda: list(hooks.glob("held-*")), what="a done+aux held back")
+        # The KV is written; its aux record is not in. The room is not SUCCESS, vLLM decodes nothing.
+        assert room(cluster, stream.room)["transfer_state"] != "SUCCESS"
+        assert decode.metric("vllm:num_requests_running") == 0
+        assert stream.text == ""
+    finally:
+        (hooks / "hold").unlink()
+    stream.done.result(timeout=60)
+    assert stream.error is None and stream.text == answer.json()["choices"][0]["text"]
+    assert room(cluster, stream.room)["state"] == "SUCCESS"
+    for held in hooks.glob("held-*"):
+        held.unlink()
+
+
+def test_a_record_changed_in_flight_ends_the_request_with_an_error_and_frees_the_blocks(cluster, hooks):
+    prefill, decode = cluster.servers
+    (hooks / "tamper").touch()
+    try:
+        with cluster.client() as client:
+            answer = client.post("/v1/completions", json=body(cluster))
+    finally:
+        (hooks / "tamper").unlink()
+    assert answer.status_code == 502, answer.text
+    assert answer.json()["error"]["code"] == "aux_timeout"  # no intact record ever came
+    until(lambda: blocks_free(prefill, decode), what="both servers' blocks free")
+
+
+def test_clients_that_leave_mid_stream_abort_both_requests(cluster, hooks):
+    prefill, decode = cluster.servers
+    (hooks / "hold").touch()  # every room is in flight when its client leaves
+    try:
+        left = [Stream(cluster, leave_at_once=True) for _ in range(20)]
+        for stream in left:
+            stream.done.result(timeout=60)
+        for stream in left:
+            until(lambda s=stream: room(cluster, s.room)["finished"], what=f"room {stream.room} ended")
+            view = room(cluster, stream.room)
+            assert (view["state"], view["reason"]) == ("FAILED", "aborted"), view
+    finally:
+        (hooks / "hold").unlink()
+    until(lambda: blocks_free(prefill, decode), what="both servers' blocks free")
+    for held in hooks.glob("held-*"):
+        held.unlink()
+
+
+def test_a_frozen_prefill_ends_its_requests_and_the_decode_frees_its_blocks(cluster):
+    prefill, decode = cluster.servers
+    prefill.signal(signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with cluster.client() as client, concurrent.futures.ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda _: client.post("/v1/completions", json=body(cluster)), range(4)))
+        assert all(a.status_code in (502, 503) and "error" in a.json() for a in answers), [
+            a.text for a in answers
+        ]
+        assert time.monotonic() - started < FAST["transfer_timeout_s"] + FAST["lease_timeout_s"] + 10
+        until(lambda: blocks_free(decode), what="the decode's blocks free")
+    finally:
+        prefill.signal(signal.SIGCONT)
+    until(lambda: blocks_free(prefill), what="the prefill's blocks free")
+    cluster.wait_registered(prefill.name)
+
+
+def test_a_prefill_killed_with_eight_rooms_in_flight_ends_them_all_and_the_decode_frees_its_blocks(
+    cluster, hooks
+):
+    prefill, decode = cluster.servers
+    (hooks / "hold").touch()
+    try:
+        with cluster.client() as client, concurrent.futures.ThreadPoolExecutor(8) as pool:
+            answers = [pool.submit(client.post, "/v1/completions", json=body(cluster)) for _ in range(8)]
+            until(lambda: len(list(hooks.glob("held-*"))) == 8, what="8 rooms held in flight")
+            prefill.signal(signal.SIGKILL)
+            killed = time.monotonic()
+            ended = [a.result(timeout=60) for a in answers]
+            assert time.monotonic() - killed < NODE_TTL_S + 10
+    finally:
+        (hooks / "hold").unlink()
+    for answer in ended:
+        assert answer.status_code in (502, 503), answer.text
+        assert answer.json()["error"]["type"] == "server_error"
+    until(lambda: blocks_free(decode), timeout=FAST["lease_timeout_s"] + 10, what="the decode's blocks free")
+    with httpx.Client(base_url=decode.url) as client:
+        assert client.get("/health").status_code == 200
