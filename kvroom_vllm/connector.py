@@ -81,6 +81,12 @@ class KvroomConnector(KVConnectorBase_V1):
                 side,
             )
 
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        """Head-major blocks, layer after layer: the heads one rank writes into another are then one
+        contiguous range of each block (``kvroom_vllm.paged_kv``)."""
+        return "LBHNC"
+
     # -- scheduler side ----------------------------------------------------------------
 
     def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:

@@ -42,6 +42,7 @@ PROMPT_COMPUTED = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_
 class Tracked:
     room: RoomParams
     loading: bool = False  # decode: its load was handed to the workers and has not finished
+    ended: bool = False  # vLLM finished the request while its load was still going
 
 
 class SchedulerHalf:
@@ -185,6 +186,7 @@ class SchedulerHalf:
             if tracked is None:  # ended before its blocks were taken: its writers may stop now
                 self._plan.revoked.append(room)
             elif tracked.loading:
+                tracked.ended = True
                 self._plan.stopped_loads.append(request.request_id)
             else:
                 del self._requests[request.request_id]
@@ -213,6 +215,8 @@ class SchedulerHalf:
             if tracked is None:
                 continue
             tracked.loading = False
+            if tracked.ended:
+                del self._requests[req_id]
             reason = self._failures.pop(req_id, None)
             if reason is None and req_id in (output.failed_recving or ()):
                 reason = FailureReason.TRANSFER_FAILED
