@@ -32,7 +32,7 @@ from vllm.v1.outputs import KVConnectorOutput
 
 from kvroom_vllm.messages import RankHandshake, StepPlan, WorkerReport
 from kvroom_vllm.paged_kv import paged_kv
-from kvroom_vllm.scheduler import SchedulerHalf
+from kvroom_vllm.scheduler import SchedulerHalf, model_identity
 from kvroom_vllm.settings import settings_from
 from kvroom_vllm.worker import WorkerHalf
 from shared.kv.head_split import kv_heads
@@ -69,7 +69,7 @@ class KvroomConnector(KVConnectorBase_V1):
         self._invalid: set[int] = set()
         num_blocks = kv_cache_config.num_blocks if kv_cache_config is not None else 0
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerHalf(vllm_config, settings, side, num_blocks)
+            self._scheduler = SchedulerHalf(model_identity(vllm_config), settings, side, num_blocks)
         else:
             model = vllm_config.model_config
             self._worker = self.worker_class(

@@ -46,11 +46,11 @@ class Tracked:
 
 
 class SchedulerHalf:
-    def __init__(self, vllm_config: Any, settings: VllmNodeSettings, role: str, num_blocks: int):
+    def __init__(self, identity: ModelIdentity, settings: VllmNodeSettings, role: str, num_blocks: int):
         self.settings = settings
         self.role = role
         self.node_id = settings.resolved_node_id(f"vllm-{role}")
-        self.identity = model_identity(vllm_config)
+        self.identity = identity
         self.num_blocks = num_blocks
         self._requests: dict[str, Tracked] = {}
         self._plan = StepPlan()

@@ -1,0 +1,150 @@
+"""The connector's scheduler half: which requests load, what each step's plan holds, and what the
+node reports, with vLLM's requests and outputs as plain objects (no vLLM engine here)."""
+
+from types import SimpleNamespace
+
+import msgspec
+import pytest
+from vllm.v1.request import RequestStatus
+
+from kvroom_vllm.messages import RankHandshake, WorkerReport
+from kvroom_vllm.scheduler import SchedulerHalf
+from kvroom_vllm.settings import settings_from
+from launcher.local_stack import free_port
+from shared.room.states import RoomState
+from shared.wire import protocol
+from shared.wire.registration import ModelIdentity
+from tests.support import until
+
+PEER = protocol.PeerRank(0, "127.0.0.1:1", "tcp://127.0.0.1:2", "", 0, 2)
+IDENTITY = ModelIdentity(
+    name="tiny",
+    architecture="LlamaForCausalLM",
+    weights="w",
+    tokenizer="t",
+    dtype="float32",
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=64,
+    vocab_size=512,
+    page_size=128,
+    engine="vllm 0.32.0",
+)
+
+
+def params(transfer: int, role: str) -> dict:
+    return {
+        "kvroom": {
+            "transfer": transfer,
+            "role": role,
+            "peer_node": "other",
+            "peers": [msgspec.to_builtins(PEER)],
+        }
+    }
+
+
+def request(
+    req_id: str, kv_transfer_params: dict | None, prompt: int = 300, status=RequestStatus.WAITING
+) -> SimpleNamespace:
+    return SimpleNamespace(
+        request_id=req_id,
+        kv_transfer_params=kv_transfer_params,
+        prompt_token_ids=list(range(prompt)),
+        num_prompt_tokens=prompt,
+        output_token_ids=[],
+        status=status,
+    )
+
+
+def output(recving=(), sending=(), failed=None) -> SimpleNamespace:
+    report = WorkerReport(failed or {}) if failed else None
+    return SimpleNamespace(
+        finished_recving=set(recving),
+        finished_sending=set(sending),
+        failed_recving=set(),
+        kv_connector_worker_meta=report,
+    )
+
+
+@pytest.fixture
+def half(request):
+    role = request.param
+    # The node's bootstrap is not there: it keeps trying, and reports wait; rooms are still kept.
+    settings = settings_from(
+        {
+            "http_url": "http://127.0.0.1:8100",
+            "zmq_port": 9100,
+            "zmq_security": "plain",
+            "bootstrap_url": f"http://127.0.0.1:{free_port()}",
+        }
+    )
+    h = SchedulerHalf(IDENTITY, settings, role, 4096)
+    h.start({0: RankHandshake(msgspec.to_builtins(PEER), 4096)})
+    yield h
+    h.close()
+
+
+def state(half: SchedulerHalf, transfer: int) -> RoomState | None:
+    room = half.rooms.find(protocol.TransferId(transfer))
+    return room.state if room is not None else None
+
+
+@pytest.mark.parametrize("half", ["decode"], indirect=True)
+def test_a_decode_room_loads_its_whole_prompt_once_and_is_success_only_when_every_worker_finished(half):
+    plain, room = request("plain", None), request("r1", params(11, "decode"))
+    assert half.matched_tokens(plain, 0) == (0, False)
+    assert half.matched_tokens(request("bad", {"kvroom": {"transfer": 0}}), 0) == (0, False)
+    assert half.matched_tokens(request("other", params(12, "prefill")), 0) == (0, False)
+    assert half.matched_tokens(room, 128) == (300 - 128, True)
+    half.allocated(room, [7, 8], 172)
+    half.allocated(room, [7, 8, 9], 0)  # vLLM's second call, after the load: nothing more
+    assert half.matched_tokens(room, 128) == (0, False)
+    plan = half.step_plan()
+    assert [(load.req_id, load.blocks, load.prompt_len) for load in plan.loads] == [("r1", [7, 8], 300)]
+    assert half.step_plan().loads == []
+    until(lambda: state(half, 11) is RoomState.BOOTSTRAPPING)
+    half.took_output(output())
+    assert state(half, 11) is RoomState.BOOTSTRAPPING
+    half.took_output(output(recving={"r1"}))
+    until(lambda: state(half, 11) is RoomState.SUCCESS)
+    assert half.finished(room, [7, 8, 9]) is False
+    assert "r1" not in half._requests
+
+
+@pytest.mark.parametrize("half", ["decode"], indirect=True)
+def test_a_decode_room_that_failed_on_one_worker_is_failed_with_its_reason(half):
+    room = request("r1", params(21, "decode"))
+    half.allocated(room, [1], 300)
+    half.took_output(output(failed={"r1": "aux_timeout"}))  # one worker; the others not yet
+    half.took_output(output(recving={"r1"}))  # vLLM's sum: every worker finished the load
+    until(lambda: state(half, 21) is RoomState.FAILED)
+    assert half.rooms.find(protocol.TransferId(21)).reason == "aux_timeout"
+
+
+@pytest.mark.parametrize("half", ["decode"], indirect=True)
+def test_a_decode_request_that_ends_early_stops_its_load_or_frees_its_writers(half):
+    loading, unplaced = request("r1", params(31, "decode")), request("r2", params(32, "decode"))
+    half.allocated(loading, [1], 300)
+    half.step_plan()
+    assert half.finished(loading, [1]) is False  # vLLM itself keeps blocks it is loading into
+    assert half.finished(unplaced, []) is False
+    plan = half.step_plan()
+    assert plan.stopped_loads == ["r1"]
+    assert [room.transfer for room in plan.revoked] == [32]
+    half.took_output(output(recving={"r1"}, failed={"r1": "aborted"}))
+    assert half._requests == {}  # nothing kept once the stopped load settled
+
+
+@pytest.mark.parametrize("half", ["prefill"], indirect=True)
+def test_a_prefill_keeps_a_computed_prompts_blocks_until_its_workers_sent_them(half):
+    done = request("p1", params(41, "prefill"), status=RequestStatus.FINISHED_LENGTH_CAPPED)
+    done.output_token_ids = [99]
+    aborted = request("p2", params(42, "prefill"), status=RequestStatus.FINISHED_ABORTED)
+    assert half.matched_tokens(done, 0) == (0, False)  # a prefill loads nothing
+    assert half.finished(done, [3, 4, 5]) is True
+    assert half.finished(aborted, [6]) is False
+    (send,) = half.step_plan().sends
+    assert (send.req_id, send.blocks, send.prompt_len, send.first_token) == ("p1", [3, 4, 5], 300, 99)
+    half.took_output(output(sending={"p1"}))
+    assert half._requests == {}
