@@ -11,11 +11,13 @@ event loop of its own, and every room record is changed there.
 """
 
 import asyncio
+import contextlib
 import logging
 import threading
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
 import vllm
 from vllm.v1.request import Request, RequestStatus
 
@@ -23,6 +25,7 @@ from kvroom_vllm.messages import Load, RankHandshake, RoomParams, Send, StepPlan
 from kvroom_vllm.settings import VllmNodeSettings
 from shared.cli import VERSION
 from shared.models.files import tokenizer_digest, weights_digest
+from shared.node.builder import LEAVE_TIMEOUT_S
 from shared.node.membership import Membership
 from shared.node.reports import BootstrapLink
 from shared.room.record import Room, RoomTable
@@ -139,9 +142,17 @@ class SchedulerHalf:
                 self.rooms.retire(room)
 
     def close(self) -> None:
+        """vLLM is stopping: the bootstrap hears it now (best effort), not when beats stop."""
         if self._thread is not None:
+            leaving = asyncio.run_coroutine_threadsafe(self._leave(), self._loop)
+            with contextlib.suppress(Exception):
+                leaving.result(timeout=LEAVE_TIMEOUT_S + 1)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(5)
+
+    async def _leave(self) -> None:
+        async with httpx.AsyncClient(base_url=self.settings.bootstrap_url, timeout=LEAVE_TIMEOUT_S) as client:
+            await client.delete(f"/nodes/{self.node_id}", headers=self.membership.auth)
 
     # -- vLLM's engine thread: rooms ---------------------------------------------------
 

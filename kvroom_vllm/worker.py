@@ -227,9 +227,9 @@ class WorkerHalf:
             slot = self.aux.alloc()
         except (ValueError, PoolExhausted) as exc:
             log.warning("transfer=%d cannot load: %s", transfer, exc)
-            self._finish_load(
-                load, FailureReason.AUX_INVALID if isinstance(exc, ValueError) else "no_capacity"
-            )
+            # Nothing was asked of any prefill rank: nothing can land, the blocks are vLLM's again.
+            no_slot = isinstance(exc, PoolExhausted)
+            self._finish_load(load, FailureReason.NO_CAPACITY if no_slot else FailureReason.TRANSFER_FAILED)
             return
         loading = Loading(load, mine, slot)
         self._loads[transfer] = loading

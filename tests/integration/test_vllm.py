@@ -131,3 +131,9 @@ def test_a_streamed_completion_equals_the_whole_one_and_a_chat_completion_equals
         answer = client.post("/v1/chat/completions", json={**CHAT, "model": model.name})
         assert answer.status_code == 200, answer.text
         assert output_ids(client, answer.json()) == plain["chat"]
+
+
+def test_a_server_that_stops_leaves_the_cluster_before_it_exits(cluster):
+    prefill = cluster.servers[0]
+    prefill.stop()  # SIGTERM, and wait for the process to exit
+    assert all(n["node_id"] != prefill.name for n in cluster.nodes())

@@ -1,6 +1,6 @@
 """kvroom's guarantee and faults inside vLLM: real vLLM servers whose prefill ranks can hold back or
 change their done+aux (tests/support/vllm_hooks.py), behind a kvroom bootstrap that declares a
-silent node dead after 4 s. The tests run in order; the last one kills the prefill server.
+silent node dead after 4 s. The tests run in order; the last two kill the prefill servers.
 """
 
 import concurrent.futures
@@ -36,7 +36,7 @@ def hooks(tmp_path_factory):
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, hooks):
     model = tiny_llama(tmp_path_factory.mktemp("models"))
-    bootstrap = ["--node-ttl-s", str(NODE_TTL_S), "--max-attempts", "1"]
+    bootstrap = ["--node-ttl-s", str(NODE_TTL_S), "--max-attempts", "2"]
     c = VllmCluster(
         tmp_path_factory.mktemp("vllm-faults"), model, bootstrap, HOOKED, {"KVROOM_TEST_HOOKS": str(hooks)}
     )
@@ -163,21 +163,42 @@ def test_a_frozen_prefill_ends_its_requests_and_the_decode_frees_its_blocks(clus
     cluster.wait_registered(prefill.name)
 
 
-def test_a_prefill_killed_with_eight_rooms_in_flight_ends_them_all_and_the_decode_frees_its_blocks(
-    cluster, hooks
-):
-    prefill, decode = cluster.servers
+def kill_with_eight_in_flight(cluster, hooks, victim) -> list[httpx.Response]:
+    """8 rooms held in flight (their KV written, their done+aux held), then ``victim`` SIGKILLed;
+    every request ends within the node TTL and a few seconds."""
     (hooks / "hold").touch()
     try:
         with cluster.client() as client, concurrent.futures.ThreadPoolExecutor(8) as pool:
             answers = [pool.submit(client.post, "/v1/completions", json=body(cluster)) for _ in range(8)]
             until(lambda: len(list(hooks.glob("held-*"))) == 8, what="8 rooms held in flight")
-            prefill.signal(signal.SIGKILL)
+            victim.signal(signal.SIGKILL)
             killed = time.monotonic()
+            (hooks / "hold").unlink()  # what the other prefill holds goes on
             ended = [a.result(timeout=60) for a in answers]
-            assert time.monotonic() - killed < NODE_TTL_S + 10
+            assert time.monotonic() - killed < NODE_TTL_S + 15
     finally:
-        (hooks / "hold").unlink()
+        (hooks / "hold").unlink(missing_ok=True)
+        for held in hooks.glob("held-*"):
+            held.unlink()
+    return ended
+
+
+def test_a_prefill_killed_with_eight_rooms_in_flight_moves_them_to_another_prefill(cluster, hooks):
+    prefill, decode = cluster.servers[:2]
+    with cluster.client() as client:
+        want = client.post("/v1/completions", json=body(cluster)).json()["choices"][0]["text"]
+    other = cluster.server("prefill", "vllm-prefill-1", 0, **FAST).start()
+    other.wait_ready()
+    cluster.wait_registered(other.name)
+    ended = kill_with_eight_in_flight(cluster, hooks, prefill)
+    assert [a.status_code for a in ended] == [200] * 8, [a.text for a in ended]
+    assert all(a.json()["choices"][0]["text"] == want for a in ended)
+    until(lambda: blocks_free(decode, other), timeout=FAST["lease_timeout_s"] + 10, what="blocks free")
+
+
+def test_the_last_prefill_killed_with_eight_rooms_in_flight_ends_them_with_an_error(cluster, hooks):
+    decode, last = cluster.servers[1], cluster.servers[2]
+    ended = kill_with_eight_in_flight(cluster, hooks, last)
     for answer in ended:
         assert answer.status_code in (502, 503), answer.text
         assert answer.json()["error"]["type"] == "server_error"
