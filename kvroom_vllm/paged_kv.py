@@ -7,10 +7,12 @@ heads one rank writes into another are one contiguous range of each block. So a 
 kvroom's page plan (``shared.kv.layout.plan_writes``) once per layer, with a vLLM block as the page.
 """
 
+import ctypes
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
+import xxhash
 
 from shared.kv.head_split import HeadRange
 from shared.kv.layout import Write, plan_writes
@@ -27,6 +29,7 @@ class PagedKV:
     num_blocks: int
     block_bytes: int
     heads: HeadRange
+    on_host: bool = True  # in host memory (a CPU KV cache), where verify mode reads it
 
     @property
     def head_bytes(self) -> int:
@@ -64,7 +67,7 @@ def paged_kv(kv_caches: Mapping[str, torch.Tensor], heads: HeadRange) -> PagedKV
             raise ValueError("the KV cache layers are not one allocation a fixed stride apart")
     if stride < num_blocks * block_bytes:
         raise ValueError("KV cache layers overlap")
-    return PagedKV(first.data_ptr(), len(layers), stride, num_blocks, block_bytes, heads)
+    return PagedKV(first.data_ptr(), len(layers), stride, num_blocks, block_bytes, heads, not first.is_cuda)
 
 
 def plan_layers(
@@ -96,3 +99,24 @@ def plan_layers(
             length,
         )
     return writes
+
+
+def host_bytes(kv: PagedKV) -> memoryview:
+    """The region as bytes, for verify mode's digests; the KV cache must be in host memory."""
+    return memoryview((ctypes.c_uint8 * kv.nbytes).from_address(kv.base)).cast("B")
+
+
+def block_digests(kv: PagedKV, data: memoryview, blocks: list[int], heads: HeadRange) -> list[int]:
+    """One digest per block of ``blocks``: XXH3-64 over the bytes of ``heads`` in that block of every
+    layer, in layer order, signed as the wire carries it (``shared.kv.digest``'s ``xxh3`` kind)."""
+    offset = (heads.start - kv.heads.start) * kv.head_bytes
+    length = heads.count * kv.head_bytes
+    out = []
+    for block in blocks:
+        digest = xxhash.xxh3_64()
+        for layer in range(kv.num_layers):
+            at = layer * kv.layer_stride + block * kv.block_bytes + offset
+            digest.update(data[at : at + length])
+        value = digest.intdigest()
+        out.append(value - (1 << 64) if value >= 1 << 63 else value)
+    return out

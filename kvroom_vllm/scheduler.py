@@ -120,6 +120,7 @@ class SchedulerHalf:
             ranks=self._ranks,
             model=self.identity,
             num_pages=self.num_blocks,
+            verify_kv=self.settings.verify_kv,
             heartbeat_interval_s=self.settings.heartbeat_interval_s,
             report_key=self.security.public_key,
         )

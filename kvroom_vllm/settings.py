@@ -64,12 +64,6 @@ class VllmNodeSettings(NodeSettings):
                 data = {**data, "http_port": urlparse(url).port}
         return data
 
-    @model_validator(mode="after")
-    def _no_verify_yet(self) -> "VllmNodeSettings":
-        if self.verify_kv:
-            raise ValueError("verify_kv is not available inside vLLM")
-        return self
-
 
 def settings_from(extra: dict[str, Any]) -> VllmNodeSettings:
     """The settings from vLLM's ``kv_connector_extra_config``; ValueError says what is wrong."""

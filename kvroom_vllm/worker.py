@@ -27,7 +27,7 @@ import msgspec
 import zmq
 
 from kvroom_vllm.messages import Load, RankHandshake, RoomParams, Send, StepPlan, WorkerReport
-from kvroom_vllm.paged_kv import PagedKV, plan_layers
+from kvroom_vllm.paged_kv import PagedKV, block_digests, host_bytes, plan_layers
 from kvroom_vllm.settings import VllmNodeSettings
 from shared.errors import PoolExhausted, RejectedMessage, TransferError
 from shared.kv.aux_buffers import Aux, AuxBuffers
@@ -97,6 +97,7 @@ class WorkerHalf:
         self.security: Security = security_for(settings.zmq_security, settings.curve_key_file)
         self.metrics = ServiceMetrics(f"vllm-{role}")
         self.kv: PagedKV | None = None
+        self._bytes: memoryview | None = None
         self.engine: TransferEngine | None = None
         self.aux = AuxBuffers(settings.aux_slots)
         self._loads: dict[protocol.TransferId, Loading] = {}
@@ -125,11 +126,15 @@ class WorkerHalf:
     def start(self, kv: PagedKV, engine: TransferEngine | None = None) -> None:
         """Register the KV cache and start receiving: vLLM's ``register_kv_caches``."""
         s = self.settings
+        if s.verify_kv and not kv.on_host:
+            raise ValueError("verify_kv digests the KV in host memory: this vLLM's KV cache is on a GPU")
         self.kv = kv
         self.engine = engine or MooncakeEngine(
             s.engine_host or s.public_host, s.transport, s.rdma_devices, advertise_host=s.public_host
         )
         self.engine.register(kv.base, kv.nbytes)
+        # Verify mode digests what was written on both sides, from host memory.
+        self._bytes = host_bytes(kv) if s.verify_kv else None
         self._zmq = zmq.Context()
         self._zap = ZapHandler(self._zmq) if self.security.keys else None
         self.push = PushSockets(self._zmq, self.security)
@@ -444,10 +449,16 @@ class WorkerHalf:
         with self._lock:
             self._transferring.add(send.req_id)
         outcome: str | None = None
+        digests = None
         try:
             written = await self._loop.run_in_executor(
                 self._writes, self.engine.write, peer.session_id, writes, self.settings.transfer_timeout_s
             )
+            if self._bytes is not None:
+                heads = sending.targets[decode_rank]
+                digests = await self._loop.run_in_executor(
+                    self._writes, block_digests, self.kv, self._bytes, sources, heads
+                )
         except WriteUnresolved as exc:
             # Some writes may still be moving: the blocks stay read until the lease runs out.
             log.warning("transfer=%d writes unresolved: %s", send.room.transfer, exc)
@@ -467,6 +478,7 @@ class WorkerHalf:
                 len(request.page_indices),
                 written if written else total_bytes(writes),
                 time.time(),
+                digests,
             )
             # vLLM keeps the first token's logprob in its output processor, out of the connector's
             # reach: the record carries 0 (no rule reads it).
@@ -494,7 +506,8 @@ class WorkerHalf:
         if msg.aux_slot != loading.slot:
             raise RejectedMessage("done+aux for another aux slot", room=msg.transfer, kind="invalid")
         record = self.aux.write(loading.slot, aux) if aux is not None else None
-        loading.landed[msg.prefill_rank] = Landed(record, msg.pages_written, kv_intact=True)
+        intact = self._kv_intact(loading, msg)
+        loading.landed[msg.prefill_rank] = Landed(record, msg.pages_written, intact)
         if loading.failed is not None:
             self._settle_load(loading)
             return
@@ -522,6 +535,17 @@ class WorkerHalf:
             self._loads.pop(load.room.transfer, None)
             self.aux.free(loading.slot)
             self._finish_load(load, None)
+
+    def _kv_intact(self, loading: Loading, msg: protocol.DoneAux) -> bool:
+        """Verify mode: whether what landed in the load's blocks is what the prefill rank wrote."""
+        if self._bytes is None:
+            return True
+        assert self.kv is not None
+        blocks = loading.load.blocks
+        if msg.digests is None or msg.digest_kind != "xxh3" or len(msg.digests) != len(blocks):
+            return False  # unverified KV is never taken
+        heads = loading.writers[msg.prefill_rank]
+        return block_digests(self.kv, self._bytes, blocks, heads) == msg.digests
 
     def _on_revoke(self, msg: protocol.RevokeLease, sender: str | None) -> None:
         if msg.rank != self.rank:

@@ -58,7 +58,7 @@ def plain(model, tmp_path_factory):
 def cluster(model, plain, tmp_path_factory):
     c = VllmCluster(tmp_path_factory.mktemp("vllm-pd"), model)
     try:
-        c.start()
+        c.start(verify_kv=True)  # every block that lands is checked against its prefill's digest
         yield c
     finally:
         c.stop()

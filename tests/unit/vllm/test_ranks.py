@@ -2,6 +2,8 @@
 sockets, with vLLM's KV layout in torch tensors and the fake engine moving the bytes (the real
 engine and real vLLM servers are in tests/integration/test_vllm.py)."""
 
+import ctypes
+
 import pytest
 import torch
 
@@ -30,7 +32,7 @@ def kv_caches() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
 
 
 class Rank:
-    def __init__(self, role: str, directory: dict, **settings: object):
+    def __init__(self, role: str, directory: dict, engine: type[FakeEngine] = FakeEngine, **settings: object):
         self.whole, layers = kv_caches()
         extra = {
             "http_url": f"http://127.0.0.1:{free_port()}",
@@ -41,7 +43,7 @@ class Rank:
             **settings,
         }
         self.half = WorkerHalf(settings_from(extra), 0, 1, HEADS, VOCAB, role)
-        self.half.start(paged_kv(layers, HeadRange(0, HEADS)), FakeEngine(role, directory))
+        self.half.start(paged_kv(layers, HeadRange(0, HEADS)), engine(role, directory))
         self.peer = protocol.PeerRank(**self.half.handshake().peer)
         self.sending: set[str] = set()
         self.recving: set[str] = set()
@@ -146,6 +148,35 @@ def test_a_decode_that_ends_before_loading_lets_the_prefill_free_its_blocks_at_o
         prefill.half.take_plan(StepPlan(sends=[send]))
         until(lambda: "p-1" in prefill.poll().sending, timeout=3)
         assert directory["prefill"] and not prefill.half.engine.writes  # type: ignore[attr-defined]
+    finally:
+        prefill.close()
+        decode.close()
+
+
+class ChangingEngine(FakeEngine):
+    """Writes, then changes one byte of what it wrote: KV that did not land as it was sent."""
+
+    def write(self, peer_session, writes, timeout_s=30.0):
+        total = super().write(peer_session, writes, timeout_s)
+        _, dst, _ = writes[-1]
+        ctypes.c_uint8.from_address(dst).value ^= 0xFF
+        return total
+
+
+@pytest.mark.parametrize("engine", [FakeEngine, ChangingEngine])
+def test_verify_mode_takes_only_kv_that_landed_as_it_was_written(engine):
+    directory: dict = {}
+    prefill = Rank("prefill", directory, verify_kv=True, engine=engine)
+    decode = Rank("decode", directory, verify_kv=True)
+    try:
+        start(prefill, decode)
+        until(lambda: "d-1" in decode.poll().recving and "p-1" in prefill.poll().sending)
+        if engine is FakeEngine:
+            assert decode.failed == {} and torch.equal(
+                decode.whole[:, [2, 9, 11]], prefill.whole[:, [5, 6, 7]]
+            )
+        else:
+            assert decode.failed == {"d-1": FailureReason.KV_CORRUPT} and decode.invalid == {2, 9, 11}
     finally:
         prefill.close()
         decode.close()
