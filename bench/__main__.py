@@ -1,6 +1,7 @@
 """Benchmark kvroom against the raw Mooncake engine on the same bytes.
 
     python -m bench [--quick] [--out bench/results]
+    python -m bench --vllm-only [--quick] [--out bench/results]
     python -m bench --against REF [--quick] [--out bench/results]
 
 Runs real services on 127.0.0.1 over TCP in synthetic-KV mode (pages stamped,
@@ -12,6 +13,11 @@ neighbours of one run before the median over runs. Nothing here asserts a timing
 With ``--against REF`` the rooms, the control plane and the model run on this tree's
 stacks and on REF's (checked out beside, each version's services importing their own
 tree) in turn, and each row is judged: not worse, or worse (bench/against.py).
+
+A full run ends with the vLLM section (bench/vllm.py): real vLLM CPU servers, one plain, a PD pair
+with vLLM's MooncakeConnector and a PD pair with KvroomConnector, taking turns (about ten minutes;
+it needs .venv-vllm). ``--vllm-only`` runs that section alone and puts it into the results.json
+already in ``--out`` (the other sections as they were), or into a new one.
 """
 
 import argparse
@@ -35,6 +41,7 @@ from bench.against import ROOT, compare, describe, tree_env, worktree
 from bench.http_load import Connection
 from bench.raw import RawPair
 from bench.report import size_label, write_against_report, write_report
+from bench.vllm import run as run_vllm
 from bench.zmq_pair import ZmqPair
 from bootstrap.settings import BootstrapSettings
 from launcher.local_stack import LocalStack, Service
@@ -624,6 +631,20 @@ def against(ref: str, quick: bool, out: Path) -> int:
     return 0
 
 
+def vllm_only(quick: bool, out: Path) -> int:
+    """The vLLM section alone, put into ``out``'s results.json beside the sections already there."""
+    with tempfile.TemporaryDirectory(prefix="kvroom-bench-") as tmp:
+        vllm = run_vllm(Path(tmp), quick)
+    path = out / "results.json"
+    results = json.loads(path.read_text()) if path.exists() else {"machine": host()}
+    results["vllm"] = vllm
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2))
+    write_report(results, out)
+    print((out / "results.md").read_text())
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
     parser.add_argument(
@@ -633,6 +654,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument(
+        "--vllm-only",
+        action="store_true",
+        help="only the vLLM section (real vLLM servers: plain, MooncakeConnector, KvroomConnector)",
+    )
+    parser.add_argument(
         "--against",
         metavar="REF",
         help="this tree against the commit REF, side by side; writes against.{json,md}",
@@ -640,6 +666,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.against:
         return against(args.against, args.quick, args.out)
+    if args.vllm_only:
+        return vllm_only(args.quick, args.out)
     quick = args.quick
     started = time.time()
     freeze_startup_heap()  # the client's own collector pauses would count as room latency
@@ -668,6 +696,11 @@ def main(argv: list[str] | None = None) -> int:
             model = bench.model([(1, 4), (4, 8)] if quick else [(1, 16), (16, 64)], max_tokens=8)
         finally:
             bench.close()
+        # A quick run checks kvroom's own sections; the vLLM one has its own (--vllm-only --quick).
+        vllm = None
+        if not quick:
+            print("vLLM: plain, MooncakeConnector, KvroomConnector", flush=True)
+            vllm = run_vllm(Path(tmp), quick)
     results = {
         "machine": host(),
         "date": time.strftime("%Y-%m-%d", time.gmtime(started)),
@@ -682,6 +715,7 @@ def main(argv: list[str] | None = None) -> int:
         "sustained": sustained,
         "room_history": BootstrapSettings.model_fields["room_history"].default,
         "model": model,
+        "vllm": vllm,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(results, indent=2))

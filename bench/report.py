@@ -137,6 +137,17 @@ def write_against_report(results: dict[str, Any], out: Path) -> None:
 
 
 def write_report(results: dict[str, Any], out: Path) -> None:
+    """results.md (and gbps.png) from a run's results: kvroom's own sections where the run has
+    them, the vLLM section where it has that (``python -m bench --vllm-only`` may add it alone)."""
+    parts = _kvroom_parts(results) if "transfer" in results else []
+    if results.get("vllm"):
+        parts.append(_vllm_part(results["vllm"], results["machine"]))
+    (out / "results.md").write_text("\n".join(parts) + "\n")
+    if "transfer" in results:
+        _plot(results, out / "gbps.png")
+
+
+def _kvroom_parts(results: dict[str, Any]) -> list[str]:
     m, quick = results["machine"], results["quick"]
     compare = not quick  # a few quick runs give no ratio worth printing
     parts = [
@@ -298,8 +309,109 @@ def write_report(results: dict[str, Any], out: Path) -> None:
             ],
         )
     )
-    (out / "results.md").write_text("\n".join(parts) + "\n")
-    _plot(results, out / "gbps.png")
+    return parts
+
+
+_VLLM_CONFIGS = {"plain": "plain vLLM", "mooncake": "MooncakeConnector", "kvroom": "kvroom"}
+
+
+def _vllm_targets(v: dict[str, Any]) -> str:
+    """kvroom's TTFT against MooncakeConnector's at every point, and against one plain instance's
+    at the point the target names; each judged from the ratios below it."""
+    from bench.vllm import VS_MOONCAKE, VS_PLAIN, VS_PLAIN_POINT
+
+    rows = v["rows"]
+    concurrency, tokens = VS_PLAIN_POINT
+    point = next(r for r in rows if (r["concurrency"], r["prompt_tokens"]) == VS_PLAIN_POINT)
+    missed = [r for r in rows if r["ttft_kvroom_vs_mooncake"] > VS_MOONCAKE]
+    worst = max(rows, key=lambda r: r["ttft_kvroom_vs_mooncake"])
+    best = min(rows, key=lambda r: r["ttft_kvroom_vs_mooncake"])
+    vs_mooncake = f"{best['ttft_kvroom_vs_mooncake']:.2f}x to {worst['ttft_kvroom_vs_mooncake']:.2f}x" + (
+        "; over at "
+        + ", ".join(f"{r['prompt_tokens']} tokens, {r['concurrency']} concurrent" for r in missed)
+        if missed
+        else ""
+    )
+    table = [
+        [
+            f"kvroom's TTFT ≤ {VS_MOONCAKE}x MooncakeConnector's at every point",
+            vs_mooncake,
+            "not met" if missed else "met",
+        ],
+        [
+            f"kvroom's TTFT ≤ {VS_PLAIN}x one plain vLLM's, {tokens}-token prompts, {concurrency} concurrent",
+            f"{point['ttft_kvroom_vs_plain']:.2f}x",
+            "met" if point["ttft_kvroom_vs_plain"] <= VS_PLAIN else "not met",
+        ],
+    ]
+    return _table(["target", "this run", ""], table)
+
+
+def _vllm_part(v: dict[str, Any], m: dict[str, Any]) -> str:
+    shape, quick = v["model"], v["quick"]
+    kib = v["kv_bytes_per_token"] / 1024
+    parts = [
+        f"\n**vLLM: kvroom against vLLM's MooncakeConnector** (real vLLM CPU servers on {m['cpus']} CPUs, "
+        f"{v['date']}: one plain instance; a prefill and a decode with vLLM's MooncakeConnector over TCP "
+        "behind a proxy as vLLM's example has it; a prefill and a decode with KvroomConnector behind the "
+        f"kvroom bootstrap. The tiny random Llama ({shape.get('num_hidden_layers')} layers, "
+        f"{shape.get('num_key_value_heads')} KV heads of {shape.get('head_dim')}, float32: "
+        f"{kib:g} KiB of KV a token); streamed /v1/completions of token-id prompts of their own, "
+        f"{v['max_tokens']} tokens out; "
+        "TTFT: to the first streamed text. One configuration runs at a time: each round starts each in "
+        f"turn, the order reversed every other round; {v['rounds']} round(s), {v['seconds']:.0f} s in all. "
+        "A ratio is the median over rounds of the ratio of one round's medians."
+        + (" Quick run: too few requests for ratios, so none is printed." if quick else "")
+        + ")\n",
+    ]
+    if not quick:
+        parts.append(_vllm_targets(v) + "\n")
+    headers = ["prompt tokens", "concurrent", "requests a round"]
+    headers += [f"{name} TTFT p50 ms" for name in _VLLM_CONFIGS.values()]
+    headers += [] if quick else ["kvroom ÷ Mooncake", "kvroom ÷ plain"]
+    headers += [f"{name} TTFT p90 ms" for name in _VLLM_CONFIGS.values()]
+    rows = []
+    for r in v["rows"]:
+        row = [r["prompt_tokens"], r["concurrency"], r["requests"]]
+        row += [f"{r[c]['ttft_p50_ms']:.1f}" for c in _VLLM_CONFIGS]
+        if not quick:
+            row += [f"{r['ttft_kvroom_vs_mooncake']:.2f}x", f"{r['ttft_kvroom_vs_plain']:.2f}x"]
+        row += [f"{r[c]['ttft_p90_ms']:.1f}" for c in _VLLM_CONFIGS]
+        rows.append(row)
+    parts.append(_table(headers, rows))
+    parts.append(
+        "\n**vLLM: whole requests and the KV they moved** (request latency to the stream's end; KV loaded: "
+        "the decode's own count of prompt tokens from the connector, "
+        '`vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}`, a request)\n'
+    )
+    headers = ["prompt tokens", "concurrent"]
+    headers += [f"{name} latency p50 ms" for name in _VLLM_CONFIGS.values()]
+    headers += ["Mooncake KV loaded", "kvroom KV loaded"]
+    rows = []
+    for r in v["rows"]:
+        row = [r["prompt_tokens"], r["concurrency"]]
+        row += [f"{r[c]['latency_p50_ms']:.1f}" for c in _VLLM_CONFIGS]
+        row += [
+            f"{r[c]['loaded_tokens_per_request']:.0f} tokens, {r[c]['loaded_kib_per_request']:.0f} KiB"
+            for c in ("mooncake", "kvroom")
+        ]
+        rows.append(row)
+    parts.append(_table(headers, rows))
+    agree = ", ".join(f"{_VLLM_CONFIGS[c]} {'yes' if ok else 'NO'}" for c, ok in v["outputs_agree"].items())
+    starts = ", ".join(f"{_VLLM_CONFIGS[c]} {s:.0f} s" for c, s in v["start_s"].items())
+    notes = [
+        f"\nGreedy outputs equal to the plain instance's (one prompt a size): {agree}. "
+        f"Starting a configuration (median): {starts}."
+    ]
+    t = v.get("mooncake_transfers")
+    if t:
+        notes.append(
+            f" Mooncake's prefill logged {t['transfers']} transfers of {t['kib_per_transfer']:.0f} KiB and "
+            f"{t['descriptors_per_transfer']:.1f} descriptors (writes) each on average; kvroom's connector "
+            "reports no write count of its own."
+        )
+    parts.append("".join(notes) + "\n")
+    return "\n".join(parts)
 
 
 def _plot(results: dict[str, Any], path: Path) -> None:

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -102,3 +104,58 @@ def test_against_a_commit_judges_both_versions_row_by_row(tmp_path):
     worktrees = subprocess.run(["git", "worktree", "list"], cwd=ROOT, capture_output=True, text=True).stdout
     # The old version's checkout is gone.
     assert str(scratch) not in worktrees and not list(scratch.glob("kvroom-against-*"))
+
+
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+
+
+@pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="bash setup.sh vllm makes .venv-vllm")
+@pytest.mark.timeout(900)
+def test_the_vllm_section_runs_its_three_configurations_and_reports(tmp_path):
+    """Costs about three minutes: five vLLM CPU servers, one configuration at a time."""
+    (tmp_path / "results.json").write_text(json.dumps({"machine": {"cpus": 2}, "kept": True}))
+    out = subprocess.run(
+        [sys.executable, "-m", "bench", "--vllm-only", "--quick", "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=840,
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["kept"] is True  # the sections already there stay as they were
+    vllm = results["vllm"]
+    assert vllm["quick"] is True and vllm["rounds"] == 1
+    # Both PD pairs moved the KV intact: they answer as one plain instance does.
+    assert vllm["outputs_agree"] == {"mooncake": True, "kvroom": True}
+    assert [(r["prompt_tokens"], r["concurrency"]) for r in vllm["rows"]] == [
+        (16, 1),
+        (128, 1),
+        (400, 1),
+        (16, 8),
+        (128, 8),
+        (400, 8),
+    ]
+    for row in vllm["rows"]:
+        for config in ("plain", "mooncake", "kvroom"):
+            assert 0 < row[config]["ttft_p50_ms"] <= row[config]["latency_p50_ms"], (config, row)
+        assert row["plain"]["loaded_tokens_per_request"] == 0
+        # The decodes computed no prompt themselves: every token of it came through the connector.
+        for config in ("mooncake", "kvroom"):
+            assert row[config]["loaded_tokens_per_request"] == row["prompt_tokens"], (config, row)
+    report = (tmp_path / "results.md").read_text()
+    assert "**vLLM: kvroom against vLLM's MooncakeConnector**" in report
+    assert "Quick run" in report and "÷" not in report
+    # A full run's report judges the two targets from the same numbers.
+    from bench.report import write_report
+
+    full = tmp_path / "full"
+    full.mkdir()
+    write_report({"machine": results["machine"], "vllm": {**vllm, "quick": False}}, full)
+    lines = (full / "results.md").read_text().splitlines()
+    targets = [line for line in lines if line.startswith("| kvroom's TTFT ≤")]
+    assert len(targets) == 2
+    every = all(r["ttft_kvroom_vs_mooncake"] <= 0.9 for r in vllm["rows"])
+    assert targets[0].endswith("| met |") == every
+    point = next(r for r in vllm["rows"] if (r["prompt_tokens"], r["concurrency"]) == (400, 1))
+    assert targets[1].endswith("| met |") == (point["ttft_kvroom_vs_plain"] <= 1.5)
