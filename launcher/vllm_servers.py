@@ -77,6 +77,9 @@ class VllmServer:
             *("-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model)),
             *("--served-model-name", self.model.name, "--dtype", "float32", "--enforce-eager"),
             *("--host", "127.0.0.1", "--port", str(self.port), "--max-model-len", "1024"),
+            # A stopping server finishes its requests, then shuts its engine down (the connector
+            # leaves the cluster then); vLLM's default, 0, kills the engine at once.
+            *("--shutdown-timeout", "10"),
         ]
         if self.transfer_config is not None:
             args += ["--kv-transfer-config", json.dumps(self.transfer_config)]
@@ -110,15 +113,18 @@ class VllmServer:
             os.killpg(self.proc.pid, sig)
 
     def stop(self) -> None:
+        """SIGTERM to the API server alone, which shuts its engine down in order (a signal to the
+        whole group would kill the engine at once); what is left of the group after, SIGKILL."""
         if self.proc is None or self.proc.poll() is not None:
             return
         self.signal(signal.SIGCONT)
-        self.signal(signal.SIGTERM)
+        self.proc.send_signal(signal.SIGTERM)
         try:
             self.proc.wait(30)
         except subprocess.TimeoutExpired:
             self.signal(signal.SIGKILL)
             self.proc.wait(10)
+        self.signal(signal.SIGKILL)
 
     def log_tail(self, lines: int = 40) -> str:
         with contextlib.suppress(OSError):
