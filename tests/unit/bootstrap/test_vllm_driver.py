@@ -92,6 +92,16 @@ def place(client, max_new_tokens: int = 3) -> int:
     return int(answer.json()["room"])
 
 
+def held_in_flight(client, fake: FakeVllm, nodes: dict[str, VllmNode]) -> int:
+    """A room whose two requests both reached the servers, which hold them."""
+    fake.behaviour |= {"p0": "hold", "d0": "hold"}
+    nodes["p0"].join(client)
+    nodes["d0"].join(client)
+    room = place(client)
+    until(lambda: len(fake.requests) == 2, 10, "both requests")
+    return room
+
+
 def peers(node: VllmNode) -> list[dict]:
     return [dict(rank) for rank in node.reg["ranks"]]
 
@@ -248,12 +258,8 @@ def test_an_http_error_fails_the_room_as_the_nodes_failure_and_ends_the_other_re
 
 
 def test_an_abort_ends_both_requests_and_tells_the_nodes_nothing_over_zmq(fake, nodes):
-    fake.behaviour |= {"p0": "hold", "d0": "hold"}
     with make_client(node_ttl_s=60.0) as client:
-        nodes["p0"].join(client)
-        nodes["d0"].join(client)
-        room = place(client)
-        until(lambda: len(fake.requests) == 2, 10, "both requests")
+        room = held_in_flight(client, fake, nodes)
         aborted = client.delete(f"/rooms/{room}").json()
         assert (aborted["state"], aborted["reason"]) == ("FAILED", "aborted")
         until(lambda: all(r.disconnected for r in fake.requests), 10, "vLLM to see both requests end")
@@ -262,22 +268,14 @@ def test_an_abort_ends_both_requests_and_tells_the_nodes_nothing_over_zmq(fake, 
 
 
 def test_closing_the_bootstrap_ends_the_requests_in_flight(fake, nodes):
-    fake.behaviour |= {"p0": "hold", "d0": "hold"}
     with make_client(node_ttl_s=60.0) as client:
-        nodes["p0"].join(client)
-        nodes["d0"].join(client)
-        place(client)
-        until(lambda: len(fake.requests) == 2, 10, "both requests")
+        held_in_flight(client, fake, nodes)
     until(lambda: all(r.disconnected for r in fake.requests), 10, "vLLM to see both requests end")
 
 
 def test_a_vllm_room_no_node_reported_on_is_never_sent_again(fake, nodes):
-    fake.behaviour |= {"p0": "hold", "d0": "hold"}
     with make_client(node_ttl_s=60.0) as client:
-        nodes["p0"].join(client)
-        nodes["d0"].join(client)
-        room = place(client)
-        until(lambda: len(fake.requests) == 2, 10, "both requests")
+        room = held_in_flight(client, fake, nodes)
         cluster = client.app.state.cluster
 
         def long_ago(r: RoomData) -> bool:
