@@ -19,7 +19,9 @@ pytestmark = pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="bash setup.sh 
 HOOKED = {"kv_connector": "HookedKvroomConnector", "kv_connector_module_path": "tests.support.vllm_hooks"}
 NODE_TTL_S = 4.0
 FAST = {
-    "transfer_timeout_s": 4.0,
+    # Long enough for 8 rooms to be held in flight at once on a busy 2-core host, short of the
+    # bootstrap's own deadline; a frozen or killed prefill is noticed through the node TTL first.
+    "transfer_timeout_s": 10.0,
     "lease_timeout_s": 3.0,
     "aux_timeout_s": 1.0,
     "heartbeat_interval_s": 0.3,
@@ -163,6 +165,15 @@ def test_a_frozen_prefill_ends_its_requests_and_the_decode_frees_its_blocks(clus
     cluster.wait_registered(prefill.name)
 
 
+def held_count(hooks, answers) -> int:
+    """Rooms whose done+aux is held; a request that ended, or a room held twice (timed out and
+    placed again), fails the test here rather than leaving it to wait."""
+    count = len(list(hooks.glob("held-*")))
+    ended = [a.result().text for a in answers if a.done()]
+    assert count <= 8 and not ended, f"{count} held, ended early: {ended}"
+    return count
+
+
 def kill_with_eight_in_flight(cluster, hooks, victim) -> list[httpx.Response]:
     """8 rooms held in flight (their KV written, their done+aux held), then ``victim`` SIGKILLed;
     every request ends within the node TTL and a few seconds."""
@@ -170,7 +181,7 @@ def kill_with_eight_in_flight(cluster, hooks, victim) -> list[httpx.Response]:
     try:
         with cluster.client() as client, concurrent.futures.ThreadPoolExecutor(8) as pool:
             answers = [pool.submit(client.post, "/v1/completions", json=body(cluster)) for _ in range(8)]
-            until(lambda: len(list(hooks.glob("held-*"))) == 8, what="8 rooms held in flight")
+            until(lambda: held_count(hooks, answers) == 8, timeout=90, what="8 rooms held in flight")
             victim.signal(signal.SIGKILL)
             killed = time.monotonic()
             (hooks / "hold").unlink()  # what the other prefill holds goes on
@@ -183,6 +194,18 @@ def kill_with_eight_in_flight(cluster, hooks, victim) -> list[httpx.Response]:
     return ended
 
 
+def served_by_other(cluster, other) -> None:
+    """Requests two at a time until one room was prefilled by ``other``."""
+    with cluster.client() as client, concurrent.futures.ThreadPoolExecutor(2) as pool:
+        for _ in range(10):
+            answers = list(pool.map(lambda _: client.post("/v1/completions", json=body(cluster)), range(2)))
+            assert all(a.status_code == 200 for a in answers), [a.text for a in answers]
+            rooms = [room(cluster, a.json()["id"].removeprefix("cmpl-")) for a in answers]
+            if any(r["prefill"]["node_id"] == other.name for r in rooms):
+                return
+    raise AssertionError(f"no room was placed on {other.name}")
+
+
 def test_a_prefill_killed_with_eight_rooms_in_flight_moves_them_to_another_prefill(cluster, hooks):
     prefill, decode = cluster.servers[:2]
     with cluster.client() as client:
@@ -190,6 +213,7 @@ def test_a_prefill_killed_with_eight_rooms_in_flight_moves_them_to_another_prefi
     other = cluster.server("prefill", "vllm-prefill-1", 0, **FAST).start()
     other.wait_ready()
     cluster.wait_registered(other.name)
+    served_by_other(cluster, other)  # its first requests are slow; not while rooms are held
     ended = kill_with_eight_in_flight(cluster, hooks, prefill)
     assert [a.status_code for a in ended] == [200] * 8, [a.text for a in ended]
     assert all(a.json()["choices"][0]["text"] == want for a in ended)
