@@ -227,11 +227,23 @@ class VllmDriver:
             )
         return output, finish_reason
 
+    async def _success(self, room_id: RoomId, transfer: TransferId) -> RoomData | None:
+        """The room once the decode node's report made it SUCCESS, it ended or it was placed again
+        (or as it is after SUCCESS_WAIT_S)."""
+        return await self._waiters.wait(
+            self._store,
+            room_id,
+            SUCCESS_WAIT_S,
+            lambda r: r.done or r.attempt.transfer != transfer or r.state == RoomState.SUCCESS,
+        )
+
     async def _publish(self, room_id: RoomId, transfer: TransferId, output: list[int], published: int) -> int:
         """Stream the tokens not yet streamed, once the room is SUCCESS: no token goes out before its
-        KV is known to have landed. Returns how many have been streamed."""
+        KV is known to have landed. The first tokens may come before the decode node's report of
+        SUCCESS (a separate path): they wait for it here, so they go out as it lands rather than
+        with the next token. Returns how many have been streamed."""
         if published == 0:
-            room = await self._store.room(room_id)
+            room = await self._success(room_id, transfer)
             if room is None or not _succeeded(room, transfer):
                 return 0
         await self._store.add_tokens(room_id, published, output[published:])
@@ -241,12 +253,7 @@ class VllmDriver:
         self, room: RoomData, transfer: TransferId, output: list[int], finish_reason: str
     ) -> None:
         """End the room completed, once its decode node's report made it SUCCESS."""
-        now = await self._waiters.wait(
-            self._store,
-            room.room,
-            SUCCESS_WAIT_S,
-            lambda r: r.done or r.attempt.transfer != transfer or r.state == RoomState.SUCCESS,
-        )
+        now = await self._success(room.room, transfer)
         if now is None or now.done or now.attempt.transfer != transfer:
             return  # ended, or placed again, meanwhile
         if now.state != RoomState.SUCCESS:

@@ -13,6 +13,7 @@ vLLM makes one connector in its scheduler (``kvroom_vllm.scheduler``) and one in
 (``kvroom_vllm.worker``); this class hands each call to its half.
 """
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -128,11 +129,24 @@ class KvroomConnector(KVConnectorBase_V1):
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         return self._worker.handshake() if self._worker is not None and self._worker.kv is not None else None
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """The step's plan goes to the rank now, before the forward: vLLM calls ``start_load_kv``
+        after the forward is launched, which on a CPU is after it has run. Loads into a KV cache on
+        a GPU wait for ``start_load_kv``: the zeroing of their new blocks may still be queued."""
+        super().bind_connector_metadata(connector_metadata)
+        assert self._worker is not None and self._worker.kv is not None
+        assert isinstance(connector_metadata, StepPlan)
+        if self._worker.kv.on_host:
+            self._worker.take_plan(connector_metadata)
+        else:
+            self._worker.take_plan(dataclasses.replace(connector_metadata, loads=[]))
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        assert self._worker is not None
+        assert self._worker is not None and self._worker.kv is not None
         plan = self._get_connector_metadata()
         assert isinstance(plan, StepPlan)
-        self._worker.take_plan(plan)
+        if not self._worker.kv.on_host:
+            self._worker.take_plan(StepPlan(loads=plan.loads))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads are asynchronous, whole rooms at a time: nothing to wait for inside a step."""

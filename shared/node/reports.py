@@ -12,11 +12,11 @@ from shared.wire import protocol
 from shared.wire.registration import Bootstrap
 
 # How long room state changes are gathered before they go to the bootstrap in one
-# message: briefly for a room that ended, longer for progress, which no one waits on
-# and which would otherwise wake the bootstrap in the middle of most KV writes. A room
-# that finished (what a client waits for) goes at the end of the loop's turn, unless a
-# message went less than REPORT_DELAY_S ago: then once that much has passed. A lone room
-# waits for nothing; under load one message still carries many rooms.
+# message. Progress, which no one waits on, waits PROGRESS_REPORT_DELAY_S: else it would
+# wake the bootstrap in the middle of most KV writes. A room that reached SUCCESS or
+# FAILED, or finished (what a client waits for), goes at the end of the loop's turn,
+# unless a message went less than REPORT_DELAY_S ago: then once that much has passed. A
+# lone room waits for nothing; under load one message still carries many rooms.
 REPORT_DELAY_S = 0.002
 PROGRESS_REPORT_DELAY_S = 0.05
 TOKEN_DELAY_S = 0.002
@@ -61,10 +61,10 @@ class BootstrapLink:
         """
         self._pending_reports[room.id] = room
         now = self.loop.time()
-        if room.finished:
+        if room.finished or room.state.terminal:
             due = max(now, self._flushed_at + REPORT_DELAY_S)
         else:
-            due = now + (REPORT_DELAY_S if room.state.terminal else PROGRESS_REPORT_DELAY_S)
+            due = now + PROGRESS_REPORT_DELAY_S
         self._schedule(due)
 
     def tokens(self, room: protocol.TransferId, offset: int, tokens: list[int]) -> None:
