@@ -403,13 +403,13 @@ def _vllm_part(v: dict[str, Any], m: dict[str, Any]) -> str:
         f"\nGreedy outputs equal to the plain instance's (one prompt a size): {agree}. "
         f"Starting a configuration (median): {starts}."
     ]
-    t = v.get("mooncake_transfers")
-    if t:
-        notes.append(
-            f" Mooncake's prefill logged {t['transfers']} transfers of {t['kib_per_transfer']:.0f} KiB and "
-            f"{t['descriptors_per_transfer']:.1f} descriptors (writes) each on average; kvroom's connector "
-            "reports no write count of its own."
-        )
+    for config, t in v.get("transfers", {}).items():
+        if t:
+            notes.append(
+                f" {_VLLM_CONFIGS[config]}'s prefill: {t['transfers']} transfers of"
+                f" {t['kib_per_transfer']:.0f} KiB and {t['descriptors_per_transfer']:.1f} writes"
+                " (engine descriptors) each on average."
+            )
     parts.append("".join(notes) + "\n")
     return "\n".join(parts)
 

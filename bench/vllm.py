@@ -57,6 +57,8 @@ XFER_LOG = re.compile(
     r"KV Transfer metrics: Num successful transfers=(\d+), .*?Avg MB per transfer=([\d.]+), "
     r".*?Avg number of descriptors=([\d.]+)"
 )
+# kvroom's connector's counters on the prefill's /metrics (kvroom_vllm/stats.py).
+KVROOM_COUNTS = ("sends", "writes", "bytes_written")
 
 
 class Plan:
@@ -168,7 +170,7 @@ class Proxy:
 
 class Running:
     """One configuration's servers, up: where completions go, the decode (its metrics), and the
-    prefill whose log tells Mooncake's transfers."""
+    prefill whose log (Mooncake) or metrics (kvroom) tell its transfers."""
 
     def __init__(
         self,
@@ -202,10 +204,20 @@ class Running:
         return self.decode.metric(name, **labels)
 
     def transfers(self) -> dict[str, float] | None:
-        """Mooncake's sends as the prefill logged them (every 10 s): transfers, the mean
-        descriptors (writes) and KiB of one; None where it logged none."""
+        """The prefill's sends: transfers, the mean descriptors (writes) and KiB of one; None
+        where it had none. kvroom's connector counts them on the prefill's /metrics; Mooncake's
+        logs them every 10 s."""
         if self.sender is None:
             return None
+        if self.rooms:
+            sends, writes, nbytes = (self.sender.metric(f"vllm:kvroom_{n}_total") for n in KVROOM_COUNTS)
+            if not sends:
+                return None
+            return {
+                "transfers": int(sends),
+                "descriptors_per_transfer": writes / sends,
+                "kib_per_transfer": nbytes / 1024 / sends,
+            }
         found = XFER_LOG.findall(self.sender.log_path.read_text(errors="replace"))
         count = sum(int(n) for n, _, _ in found)
         if not count:
@@ -230,11 +242,11 @@ def start(config: str, model: Path, log_dir: Path) -> Running:
     if config == "kvroom":
         cluster = VllmCluster(log_dir, model, bootstrap_args=["--log-level", "WARNING"])
         try:
-            _, decode = cluster.start()
+            prefill, decode = cluster.start()
         except BaseException:
             cluster.stop()
             raise
-        return Running(cluster.bootstrap.url, decode, cluster.stop, rooms=True)
+        return Running(cluster.bootstrap.url, decode, cluster.stop, sender=prefill, rooms=True)
     return start_mooncake(model, log_dir)
 
 
@@ -405,7 +417,9 @@ def run(workdir: Path, quick: bool) -> dict[str, Any]:
             finally:
                 running.stop()
         rounds.append(got)
-    transfers = [r["mooncake"]["transfers"] for r in rounds if r["mooncake"]["transfers"]]
+    transfers = {
+        config: [r[config]["transfers"] for r in rounds if r[config]["transfers"]] for config in CONFIGS[1:]
+    }
     return {
         "date": time.strftime("%Y-%m-%d", time.gmtime(started)),
         "quick": quick,
@@ -421,7 +435,8 @@ def run(workdir: Path, quick: bool) -> dict[str, Any]:
             for config in CONFIGS[1:]
         },
         "start_s": {config: statistics.median(s) for config, s in starts.items()},
-        "mooncake_transfers": _merge(transfers) if transfers else None,
+        # Each PD pair's prefill: its transfers and the writes of one, over every round.
+        "transfers": {config: _merge(logged) if logged else None for config, logged in transfers.items()},
         "seconds": round(time.time() - started, 1),
         "rows": summarise(rounds, plan, bytes_per_token(model)),
     }

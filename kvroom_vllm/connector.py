@@ -25,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorTransferResults,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.distributed.parallel_state import (
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
@@ -35,6 +36,7 @@ from kvroom_vllm.messages import RankHandshake, StepPlan, WorkerReport
 from kvroom_vllm.paged_kv import paged_kv
 from kvroom_vllm.scheduler import SchedulerHalf, model_identity
 from kvroom_vllm.settings import settings_from
+from kvroom_vllm.stats import WritePromMetrics, WriteStats
 from kvroom_vllm.worker import WorkerHalf
 from shared.kv.head_split import kv_heads
 
@@ -176,6 +178,19 @@ class KvroomConnector(KVConnectorBase_V1):
     def build_connector_worker_meta(self) -> WorkerReport | None:
         report, self._report = self._report, WorkerReport()
         return report if report.failed or report.transferring else None
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        return self._worker.take_stats() if self._worker is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return WriteStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls, vllm_config: Any, metric_types: Any, labelnames: list[str], per_engine_labelvalues: Any
+    ) -> KVConnectorPromMetrics | None:
+        return WritePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

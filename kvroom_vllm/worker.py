@@ -29,6 +29,7 @@ import zmq
 from kvroom_vllm.messages import Load, RankHandshake, RoomParams, Send, StepPlan, WorkerReport
 from kvroom_vllm.paged_kv import PagedKV, block_digests, host_bytes, plan_layers
 from kvroom_vllm.settings import VllmNodeSettings
+from kvroom_vllm.stats import WriteStats
 from shared.errors import PoolExhausted, RejectedMessage, TransferError
 from shared.kv.aux_buffers import Aux, AuxBuffers
 from shared.kv.head_split import HeadRange, kv_heads, writers
@@ -116,6 +117,7 @@ class WorkerHalf:
         self._failed: dict[str, str] = {}
         self._invalid_blocks: set[int] = set()
         self._transferring: set[str] = set()
+        self._stats = WriteStats()
         self._writes = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="kvroom-write")
         self._loop = asyncio.new_event_loop()
         self._thread: threading.Thread | None = None
@@ -195,6 +197,14 @@ class WorkerHalf:
             invalid, self._invalid_blocks = self._invalid_blocks, set()
             transferring, self._transferring = self._transferring, set()
         return sending, recving, invalid, WorkerReport(failed, transferring)
+
+    def take_stats(self) -> WriteStats | None:
+        """What this rank wrote since the last call, for vLLM's stat loggers (None: nothing)."""
+        with self._lock:
+            if self._stats.is_empty():
+                return None
+            stats, self._stats = self._stats, WriteStats()
+        return stats
 
     def close(self) -> None:
         if self._thread is not None:
@@ -469,6 +479,9 @@ class WorkerHalf:
             outcome = FailureReason.TRANSFER_FAILED
         sending.writing.discard(decode_rank)
         sending.ended.add(decode_rank)
+        if outcome is None:
+            with self._lock:
+                self._stats.record(len(writes), written or total_bytes(writes))
         if outcome is None and decode_rank not in sending.revoked:
             done = protocol.DoneAux(
                 send.room.transfer,

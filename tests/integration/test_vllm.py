@@ -5,6 +5,7 @@ Each server holds its core busy while it lives: the plain one runs alone, before
 """
 
 import concurrent.futures
+import json
 import random
 
 import httpx
@@ -96,6 +97,15 @@ def test_every_output_equals_one_plain_vllm_token_for_token_one_at_a_time_and_ei
         # The decode computed none of these prompts itself: their KV came through kvroom.
         loaded = decode.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
         assert loaded - loaded_before >= prompt_tokens - len(prompts())  # a 1-token prompt is recomputed
+        # The prefill's /metrics counts what its connector wrote (vLLM publishes it a step or two
+        # later): a send is a write or more a layer, and every token loaded was written.
+        until(lambda: prefill.metric("vllm:kvroom_sends_total") >= len(prompts()) - 1, what="sends counted")
+        shape = json.loads((model / "config.json").read_text())
+        layers = shape["num_hidden_layers"]
+        a_token = layers * 2 * shape["num_key_value_heads"] * shape["head_dim"] * 4  # K and V, float32
+        sends = prefill.metric("vllm:kvroom_sends_total")
+        assert prefill.metric("vllm:kvroom_writes_total") >= sends * layers
+        assert prefill.metric("vllm:kvroom_bytes_written_total") >= (loaded - loaded_before) * a_token
         # Again, 8 at once: the decode now holds some of each prompt, and loads the rest.
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             answers = list(pool.map(lambda p: (p, complete(client, model.name, p)), prompts()))

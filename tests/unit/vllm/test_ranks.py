@@ -94,6 +94,16 @@ def test_a_prompt_moves_block_by_block_layer_by_layer_and_both_finish():
         assert decode.failed == {} and decode.invalid == set()
         assert torch.equal(decode.whole[:, [2, 9, 11]], prefill.whole[:, [5, 6, 7]])
         assert decode.whole[:, [0, 1, 3]].abs().sum() == 0  # nothing else was written
+        # vLLM's stat loggers hear of it: no two of blocks 2, 9, 11 are adjacent, so one write a
+        # block a layer.
+        stats = prefill.half.take_stats()
+        assert stats is not None and prefill.half.take_stats() is None
+        assert stats.data == {
+            "sends": 1,
+            "writes": LAYERS * 3,
+            "bytes": LAYERS * 3 * prefill.half.kv.block_bytes,
+        }
+        assert decode.half.take_stats() is None
     finally:
         prefill.close()
         decode.close()
