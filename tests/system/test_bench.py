@@ -143,8 +143,12 @@ def test_the_vllm_section_runs_its_three_configurations_and_reports(tmp_path):
         # The decodes computed no prompt themselves: every token of it came through the connector.
         for config in ("mooncake", "kvroom"):
             assert row[config]["loaded_tokens_per_request"] == row["prompt_tokens"], (config, row)
+    # Both prefills' writes, kvroom's from its connector's counters: at least one a layer.
+    for config in ("mooncake", "kvroom"):
+        assert vllm["transfers"][config]["descriptors_per_transfer"] >= 2, vllm["transfers"]
     report = (tmp_path / "results.md").read_text()
     assert "**vLLM: kvroom against vLLM's MooncakeConnector**" in report
+    assert "kvroom's prefill:" in report
     assert "Quick run" in report and "÷" not in report
     # A full run's report judges the two targets from the same numbers.
     from bench.report import write_report
