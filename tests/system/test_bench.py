@@ -143,9 +143,9 @@ def test_the_vllm_section_runs_its_three_configurations_and_reports(tmp_path):
         # The decodes computed no prompt themselves: every token of it came through the connector.
         for config in ("mooncake", "kvroom"):
             assert row[config]["loaded_tokens_per_request"] == row["prompt_tokens"], (config, row)
-    # Both prefills' writes, kvroom's from its connector's counters: at least one a layer.
-    for config in ("mooncake", "kvroom"):
-        assert vllm["transfers"][config]["descriptors_per_transfer"] >= 2, vllm["transfers"]
+    # kvroom's prefill counted its writes (Mooncake's logs them every 10 s, maybe not in so short
+    # a run): at least one a layer.
+    assert vllm["transfers"]["kvroom"]["descriptors_per_transfer"] >= 2, vllm["transfers"]
     report = (tmp_path / "results.md").read_text()
     assert "**vLLM: kvroom against vLLM's MooncakeConnector**" in report
     assert "kvroom's prefill:" in report
