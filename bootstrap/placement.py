@@ -80,10 +80,12 @@ class Placement:
     async def _take(
         self, room_id: RoomId, tokens: int, max_new_tokens: int, exclude: set[str]
     ) -> tuple[Node, Node]:
-        """A prefill and a decode node with room for it, their pages taken; NoLiveNode or NoCapacity."""
+        """A prefill and a decode node with room for it, their pages taken; NoLiveNode or NoCapacity
+        (also while every node of a role is only late: a beat delayed on a busy host is no death,
+        and the node TTL ends the wait if it is one)."""
         nodes = await self._registry.nodes()
         for role in ("prefill", "decode"):
-            if not any(n.role == role and n.placeable for n in nodes):
+            if not any(n.role == role and n.in_service for n in nodes):
                 raise NoLiveNode(role)
         chosen = []
         for role, order in (("decode", lambda n: -n.free_pages), ("prefill", lambda n: n.load.rooms)):
@@ -102,6 +104,8 @@ class Placement:
             else:
                 for node in chosen:
                     await self._store.release(node.id, room_pages(node, tokens, max_new_tokens), room_id)
+                if not live:
+                    raise NoCapacity(f"every {role} node is late with its heartbeat")
                 raise NoCapacity(f"no {role} node has room for {tokens} tokens now")
         decode, prefill = chosen
         return prefill, decode

@@ -61,9 +61,14 @@ class Node:
         return time.time() - self.data.last_seen > LATE_HEARTBEATS * self.reg.heartbeat_interval_s
 
     @property
-    def placeable(self) -> bool:
+    def in_service(self) -> bool:
+        """Alive, healthy and not draining: placeable now, or once a late heartbeat comes."""
         d = self.data
-        return self.alive and not d.dead and d.healthy and not d.draining and not self.late
+        return self.alive and not d.dead and d.healthy and not d.draining
+
+    @property
+    def placeable(self) -> bool:
+        return self.in_service and not self.late
 
     @property
     def free_pages(self) -> int:

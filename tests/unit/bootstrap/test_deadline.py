@@ -1,12 +1,15 @@
 """The last line of defence: a room that never ends by itself ends FAILED deadline, and both of its
 nodes hear so. The nodes here are real CURVE-serving ZMQ sockets that take rooms and never answer."""
 
+import concurrent.futures
+
 from bootstrap import rooms
 from bootstrap.store import Attempt, RoomData
 from shared.room.states import RoomState
 from shared.wire import protocol
+from tests.support import until
 from tests.unit.bootstrap.silent_node import join
-from tests.unit.bootstrap.test_api import make_client
+from tests.unit.bootstrap.test_api import AUTH, make_client
 
 
 def test_a_room_past_its_deadline_ends_failed_and_both_nodes_are_told(silent_nodes):
@@ -61,3 +64,24 @@ def test_only_a_placed_room_no_node_reported_on_counts_as_unheard():
     assert not rooms.unheard(room, now, 2.0)
     room.state, room.done = RoomState.BOOTSTRAPPING, True
     assert not rooms.unheard(room, now, 2.0)
+
+
+def test_a_room_waits_for_a_node_that_is_only_late_and_is_refused_once_it_is_dead(silent_nodes):
+    """A heartbeat late on a busy host is no death: the room waits in the placement queue and is
+    placed when the beat comes. A node that stays silent past its TTL is dead: 503 at once."""
+    prefill, decode = silent_nodes
+    with make_client(room_deadline_s=60.0, node_ttl_s=2.0) as client:
+        for node, (node_id, role) in ((prefill, ("p0", "prefill")), (decode, ("d0", "decode"))):
+            reg = {**node.registration(node_id, role), "heartbeat_interval_s": 0.2}
+            assert client.post("/nodes", json=reg, headers=AUTH).status_code == 201
+        until(lambda: not any(n["placeable"] for n in client.get("/nodes").json()), 5, "both nodes late")
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            posted = pool.submit(client.post, "/rooms", json={"prompt": "waits", "max_new_tokens": 3})
+            until(lambda: "kvroom_queued_rooms 1.0" in client.get("/metrics").text, 5, "the room queued")
+            for node_id in ("p0", "d0"):
+                assert client.put(f"/nodes/{node_id}/heartbeat", json={}, headers=AUTH).status_code == 200
+            assert posted.result(timeout=10).status_code == 201
+        assert prefill.messages(until=protocol.PrefillRoom)
+        until(lambda: not any(n["alive"] for n in client.get("/nodes").json()), 10, "both nodes dead")
+        refused = client.post("/rooms", json={"prompt": "no node", "max_new_tokens": 3})
+        assert (refused.status_code, refused.json()["detail"]) == (503, "no live prefill node")
