@@ -68,7 +68,7 @@ class Plan:
         self.quick = quick
         self.sizes = [16, 128, 400]
         self.levels = [(1, 3), (8, 8)] if quick else [(1, 8), (8, 24)]
-        self.rounds = 1 if quick else 2
+        self.rounds = 1 if quick else 3  # an odd count: the median is one round's
 
     def points(self) -> list[tuple[int, int, int]]:
         return [(size, c, n) for c, n in self.levels for size in self.sizes]

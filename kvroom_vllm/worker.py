@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import msgspec
 import zmq
 
+from kvroom_vllm.cores import unpinned
 from kvroom_vllm.messages import Load, RankHandshake, RoomParams, Send, StepPlan, WorkerReport
 from kvroom_vllm.paged_kv import PagedKV, block_digests, host_bytes, plan_layers
 from kvroom_vllm.settings import VllmNodeSettings
@@ -126,7 +127,12 @@ class WorkerHalf:
     # -- vLLM's thread ----------------------------------------------------------------
 
     def start(self, kv: PagedKV, engine: TransferEngine | None = None) -> None:
-        """Register the KV cache and start receiving: vLLM's ``register_kv_caches``."""
+        """Register the KV cache and start receiving: vLLM's ``register_kv_caches``. Every thread
+        this starts (the transfer engine's, ZMQ's, the rank's) may run off the forward's cores."""
+        with unpinned():
+            self._start(kv, engine)
+
+    def _start(self, kv: PagedKV, engine: TransferEngine | None) -> None:
         s = self.settings
         if s.verify_kv and not kv.on_host:
             raise ValueError("verify_kv digests the KV in host memory: this vLLM's KV cache is on a GPU")

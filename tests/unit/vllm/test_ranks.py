@@ -3,6 +3,7 @@ sockets, with vLLM's KV layout in torch tensors and the fake engine moving the b
 engine and real vLLM servers are in tests/integration/test_vllm.py)."""
 
 import ctypes
+import os
 
 import pytest
 import torch
@@ -210,3 +211,21 @@ def test_settings_refuse_what_vllm_decides_and_need_the_servers_url():
     with pytest.raises(ValueError, match="http_url"):
         settings_from({"zmq_port": 9100})
     assert settings_from({"http_url": "http://127.0.0.1:8100", "zmq_port": 9100}).http_port == 8100
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two cores to pin to one")
+def test_a_rank_started_from_a_thread_bound_to_one_core_runs_its_threads_on_every_core():
+    """vLLM's CPU worker thread is bound to the forward's cores; a rank it starts must not be, or
+    its writes wait behind the forward. The worker thread keeps its own binding."""
+    every = set(range(os.cpu_count() or 1))
+    os.sched_setaffinity(0, {0})
+    try:
+        rank = Rank("prefill", {})
+        try:
+            assert os.sched_getaffinity(0) == {0}
+            assert rank.half._thread is not None
+            assert os.sched_getaffinity(rank.half._thread.native_id) == every
+        finally:
+            rank.close()
+    finally:
+        os.sched_setaffinity(0, every)
