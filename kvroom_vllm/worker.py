@@ -33,6 +33,7 @@ from kvroom_vllm.settings import VllmNodeSettings
 from kvroom_vllm.stats import WriteStats
 from shared.errors import PoolExhausted, RejectedMessage, TransferError
 from shared.kv.aux_buffers import Aux, AuxBuffers
+from shared.kv.digest import INLINE_BYTES
 from shared.kv.head_split import HeadRange, kv_heads, writers
 from shared.kv.layout import total_bytes
 from shared.kv.transfer import MooncakeEngine, TransferEngine, WriteUnresolved
@@ -59,6 +60,7 @@ class Loading:
     slot: int
     landed: dict[int, Landed] = field(default_factory=dict)
     released: set[int] = field(default_factory=set)  # writers that will write nothing more
+    checking: set[int] = field(default_factory=set)  # writers whose KV is being digested
     failed: str | None = None
     timer: asyncio.TimerHandle | None = None
 
@@ -520,14 +522,30 @@ class WorkerHalf:
                 "done+aux from a rank that does not write here", room=msg.transfer, kind="bad_rank"
             )
         RankService.check_sender(sender, loading.load.room.peers[msg.prefill_rank], msg.transfer)
-        if msg.prefill_rank in loading.landed:
+        if msg.prefill_rank in loading.landed or msg.prefill_rank in loading.checking:
             raise RejectedMessage("duplicate done+aux", room=msg.transfer, kind="duplicate")
         if msg.aux_slot != loading.slot:
             raise RejectedMessage("done+aux for another aux slot", room=msg.transfer, kind="invalid")
         record = self.aux.write(loading.slot, aux) if aux is not None else None
-        intact = self._kv_intact(loading, msg)
+        if self._bytes is None or self._digest_bytes(loading, msg) <= INLINE_BYTES:
+            self._landed(loading, msg, record, self._kv_intact(loading, msg))
+            return
+        # A large room's digests off the loop; the writer stays fenced (its blocks kept) meanwhile.
+        loading.checking.add(msg.prefill_rank)
+        checked = self._loop.run_in_executor(self._writes, self._kv_intact, loading, msg)
+        checked.add_done_callback(lambda done: self._checked(loading, msg, record, done))
+
+    def _checked(
+        self, loading: Loading, msg: protocol.DoneAux, record: bytes | None, done: "asyncio.Future[bool]"
+    ) -> None:
+        loading.checking.discard(msg.prefill_rank)
+        intact = not done.cancelled() and done.exception() is None and done.result()
+        self._landed(loading, msg, record, intact)
+
+    def _landed(self, loading: Loading, msg: protocol.DoneAux, record: bytes | None, intact: bool) -> None:
+        """A writer's done+aux, its KV checked: the gate decides on the load."""
         loading.landed[msg.prefill_rank] = Landed(record, msg.pages_written, intact)
-        if loading.failed is not None:
+        if loading.failed is not None or self._loads.get(msg.transfer) is not loading:
             self._settle_load(loading)
             return
         load = loading.load
@@ -554,6 +572,11 @@ class WorkerHalf:
             self._loads.pop(load.room.transfer, None)
             self.aux.free(loading.slot)
             self._finish_load(load, None)
+
+    def _digest_bytes(self, loading: Loading, msg: protocol.DoneAux) -> int:
+        assert self.kv is not None
+        heads = loading.writers[msg.prefill_rank]
+        return len(loading.load.blocks) * self.kv.num_layers * heads.count * self.kv.head_bytes
 
     def _kv_intact(self, loading: Loading, msg: protocol.DoneAux) -> bool:
         """Verify mode: whether what landed in the load's blocks is what the prefill rank wrote."""

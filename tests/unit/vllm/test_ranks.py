@@ -174,8 +174,12 @@ class ChangingEngine(FakeEngine):
         return total
 
 
+@pytest.mark.parametrize("inline_bytes", [1 << 20, 0], ids=["digested-on-the-loop", "digested-off-it"])
 @pytest.mark.parametrize("engine", [FakeEngine, ChangingEngine])
-def test_verify_mode_takes_only_kv_that_landed_as_it_was_written(engine):
+def test_verify_mode_takes_only_kv_that_landed_as_it_was_written(engine, inline_bytes, monkeypatch):
+    """A small load's blocks are digested where done+aux is taken, a large one's on another
+    thread: either way a changed byte fails the load."""
+    monkeypatch.setattr("kvroom_vllm.worker.INLINE_BYTES", inline_bytes)
     directory: dict = {}
     prefill = Rank("prefill", directory, verify_kv=True, engine=engine)
     decode = Rank("decode", directory, verify_kv=True)
