@@ -22,6 +22,7 @@ already in ``--out`` (the other sections as they were), or into a new one.
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import platform
@@ -184,6 +185,10 @@ class Bench:
             body = client.get(f"/rooms/{body['room']}").json()
         raise RuntimeError(f"room {body['room']}: the prefill never reported its writes")
 
+    @classmethod
+    def request_to_success(cls, client: httpx.Client, tokens: int) -> float:
+        return cls.room(client, tokens)["request_to_success_s"]
+
     # -- transfer: kvroom against the raw engine ---------------------------------------
 
     def transfer(self, sizes_kib: list[int]) -> list[dict[str, Any]]:
@@ -205,9 +210,9 @@ class Bench:
                     moved, count = int(first["bytes_written"]), int(first["engine_writes"])
                     samples = interleaved(
                         {
-                            "kvroom": lambda tokens=tokens: self.room(client, tokens),
-                            "raw": lambda m=moved, c=count: raw.write(m, c),
-                            "raw_polled": lambda m=moved, c=count: raw.write(m, c, polled=True),
+                            "kvroom": functools.partial(self.room, client, tokens),
+                            "raw": functools.partial(raw.write, moved, count),
+                            "raw_polled": functools.partial(raw.write, moved, count, polled=True),
                             "messages": messages.round_trip,
                         },
                         self.runs,
@@ -257,7 +262,7 @@ class Bench:
                 tokens = size_kib * KIB // layout.page_bytes
                 samples = interleaved(
                     {
-                        name: lambda c=c, t=tokens: self.room(c, t)["request_to_success_s"]
+                        name: functools.partial(self.request_to_success, c, tokens)
                         for name, c in clients.items()
                     },
                     3 * self.runs,  # a difference of tenths of a millisecond to find
@@ -299,7 +304,8 @@ class Bench:
         try:
             firsts = {shape: self.room(c, tokens) for shape, c in clients.items()}
             samples = interleaved(
-                {str(shape): lambda c=c: self.room(c, tokens) for shape, c in clients.items()}, self.runs
+                {str(shape): functools.partial(self.room, c, tokens) for shape, c in clients.items()},
+                self.runs,
             )
         finally:
             for client in clients.values():

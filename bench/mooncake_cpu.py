@@ -12,6 +12,9 @@ gets the connector past two assumptions of a GPU host:
   0.0.0.0; here it binds 127.0.0.1 like everything else the benchmark starts.
 """
 
+# With vLLM installed these attributes are typed, without it they are not.
+# mypy: disable-error-code="unused-ignore"
+
 import contextlib
 from collections.abc import Iterator
 from typing import Any

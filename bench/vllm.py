@@ -398,7 +398,9 @@ def run(workdir: Path, quick: bool) -> dict[str, Any]:
     plan = Plan(quick)
     model = tiny_llama(workdir / "models")
     drawn = Prompts(model)
-    prompts = {(size,): drawn.draw(size, 1, ("warm", size)) for size in plan.sizes}
+    prompts: dict[tuple[int, ...], list[list[int]]] = {
+        (size,): drawn.draw(size, 1, ("warm", size)) for size in plan.sizes
+    }
     for round_ in range(plan.rounds):
         for size, concurrency, requests in plan.points():
             prompts[(size, concurrency, round_)] = drawn.draw(size, requests, (size, concurrency, round_))
