@@ -70,7 +70,7 @@ def test_a_room_waits_for_a_node_that_is_only_late_and_is_refused_once_it_is_dea
     """A heartbeat late on a busy host is no death: the room waits in the placement queue and is
     placed when the beat comes. A node that stays silent past its TTL is dead: 503 at once."""
     prefill, decode = silent_nodes
-    with make_client(room_deadline_s=60.0, node_ttl_s=2.0) as client:
+    with make_client(room_deadline_s=60.0, node_ttl_s=5.0) as client:
         for node, (node_id, role) in ((prefill, ("p0", "prefill")), (decode, ("d0", "decode"))):
             reg = {**node.registration(node_id, role), "heartbeat_interval_s": 0.2}
             assert client.post("/nodes", json=reg, headers=AUTH).status_code == 201
@@ -82,6 +82,6 @@ def test_a_room_waits_for_a_node_that_is_only_late_and_is_refused_once_it_is_dea
                 assert client.put(f"/nodes/{node_id}/heartbeat", json={}, headers=AUTH).status_code == 200
             assert posted.result(timeout=10).status_code == 201
         assert prefill.messages(until=protocol.PrefillRoom)
-        until(lambda: not any(n["alive"] for n in client.get("/nodes").json()), 10, "both nodes dead")
+        until(lambda: not any(n["alive"] for n in client.get("/nodes").json()), 15, "both nodes dead")
         refused = client.post("/rooms", json={"prompt": "no node", "max_new_tokens": 3})
         assert (refused.status_code, refused.json()["detail"]) == (503, "no live prefill node")
