@@ -352,7 +352,8 @@ def _vllm_part(v: dict[str, Any], m: dict[str, Any]) -> str:
     kib = v["kv_bytes_per_token"] / 1024
     parts = [
         f"\n**vLLM: kvroom against vLLM's MooncakeConnector** (real vLLM CPU servers on {m['cpus']} CPUs, "
-        f"{v['date']}: one plain instance; a prefill and a decode with vLLM's MooncakeConnector over TCP "
+        f"{v['date']}, each with its worker in its engine-core process (VLLM_ENABLE_V1_MULTIPROCESSING=0): "
+        "one plain instance; a prefill and a decode with vLLM's MooncakeConnector over TCP "
         "behind a proxy as vLLM's example has it; a prefill and a decode with KvroomConnector behind the "
         f"kvroom bootstrap. The tiny random Llama ({shape.get('num_hidden_layers')} layers, "
         f"{shape.get('num_key_value_heads')} KV heads of {shape.get('head_dim')}, float32: "
