@@ -421,7 +421,12 @@ def run(workdir: Path, quick: bool) -> dict[str, Any]:
         for config in CONFIGS if round_ % 2 == 0 else CONFIGS[::-1]:
             print(f"  round {round_ + 1}/{plan.rounds}: {LABELS[config]}", flush=True)
             begun = time.monotonic()
-            running = start(config, model, workdir / f"vllm-{config}-{round_}")
+            try:
+                running = start(config, model, workdir / f"vllm-{config}-{round_}")
+            except RuntimeError as exc:  # a server that did not come up; its errors are printed
+                print(f"  {LABELS[config]} did not start, starting it once more: {exc}", flush=True)
+                begun = time.monotonic()
+                running = start(config, model, workdir / f"vllm-{config}-{round_}-again")
             starts[config].append(time.monotonic() - begun)
             try:
                 got[config] = measure(running, model, plan, prompts, round_)

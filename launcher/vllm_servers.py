@@ -91,7 +91,7 @@ class VllmServer:
 
     def ready(self) -> bool:
         if self.proc is None or self.proc.poll() is not None:
-            raise RuntimeError(f"{self.name} exited:\n{self.log_tail()}")
+            raise RuntimeError(f"{self.name} exited:\n{self.errors()}\n...\n{self.log_tail()}")
         with contextlib.suppress(httpx.HTTPError):
             return httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200
         return False
@@ -125,6 +125,13 @@ class VllmServer:
             self.signal(signal.SIGKILL)
             self.proc.wait(10)
         self.signal(signal.SIGKILL)
+
+    def errors(self, lines: int = 20) -> str:
+        """The log's error lines (an engine process's root cause is far above the log's tail)."""
+        with contextlib.suppress(OSError):
+            text = self.log_path.read_text(errors="replace").splitlines()
+            return "\n".join([line for line in text if "Error" in line or " ERROR " in line][-lines:])
+        return ""
 
     def log_tail(self, lines: int = 40) -> str:
         with contextlib.suppress(OSError):
