@@ -18,11 +18,7 @@ def unpinned() -> Iterator[None]:
     """Threads started inside may run on any core this process is allowed (a cgroup's cpuset
     still applies: the kernel keeps the mask within it)."""
     pinned = os.sched_getaffinity(0)
-    every = set(range(os.cpu_count() or 1))
-    if pinned == every:
-        yield
-        return
-    os.sched_setaffinity(0, every)
+    os.sched_setaffinity(0, range(os.cpu_count() or 1))
     try:
         yield
     finally:

@@ -4,12 +4,13 @@ engine and real vLLM servers are in tests/integration/test_vllm.py)."""
 
 import ctypes
 import os
+import threading
 
 import pytest
 import torch
 
 from kvroom_vllm.messages import Load, RoomParams, Send, StepPlan
-from kvroom_vllm.paged_kv import PagedKV, paged_kv
+from kvroom_vllm.paged_kv import PagedKV, block_digests, paged_kv
 from kvroom_vllm.settings import settings_from
 from kvroom_vllm.worker import WorkerHalf
 from launcher.local_stack import free_port
@@ -180,12 +181,22 @@ def test_verify_mode_takes_only_kv_that_landed_as_it_was_written(engine, inline_
     """A small load's blocks are digested where done+aux is taken, a large one's on another
     thread: either way a changed byte fails the load."""
     monkeypatch.setattr("kvroom_vllm.worker.INLINE_BYTES", inline_bytes)
+    digested_on: list[str] = []  # the threads the decode's digests ran on
+
+    def recorded(kv, *args):
+        if kv is decode.half.kv:
+            digested_on.append(threading.current_thread().name)
+        return block_digests(kv, *args)
+
+    monkeypatch.setattr("kvroom_vllm.worker.block_digests", recorded)
     directory: dict = {}
     prefill = Rank("prefill", directory, verify_kv=True, engine=engine)
     decode = Rank("decode", directory, verify_kv=True)
     try:
         start(prefill, decode)
         until(lambda: "d-1" in decode.poll().recving and "p-1" in prefill.poll().sending)
+        loop_thread = "kvroom-rank-0"
+        assert len(digested_on) == 1 and (digested_on[0] == loop_thread) == bool(inline_bytes), digested_on
         if engine is FakeEngine:
             assert decode.failed == {} and torch.equal(
                 decode.whole[:, [2, 9, 11]], prefill.whole[:, [5, 6, 7]]
