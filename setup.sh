@@ -2,7 +2,8 @@
 # Installs what kvroom needs on a fresh Debian or Ubuntu host:
 # the system package libibverbs1 (the transfer engine loads it) and a virtualenv in .venv.
 # Usage: bash setup.sh [EXTRAS]   (EXTRAS default "cpu"; "cpu,dev" adds the test tools,
-# including Chromium and its driver for the status-page test, redis-server and jq)
+# including Chromium and its driver for the status-page test, redis-server, jq, and Docker with
+# Compose v2 for the deployment test where the host has no Docker engine of its own)
 #        bash setup.sh vllm       (a second virtualenv, .venv-vllm: vLLM's CPU build with kvroom,
 # its CPU transfer engine and test tools, every version from kvroom_vllm/requirements-cpu.txt)
 set -euo pipefail
@@ -14,9 +15,17 @@ packages="libibverbs1"
 [[ ",$extras," == *",dev,"* ]] && packages="$packages chromium chromium-driver redis-server jq"
 missing=""
 for p in $packages; do dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"; done
+# An engine the host already has (docker-ce, say) is used as it is: docker.io would replace it.
+if [[ ",$extras," == *",dev,"* ]] && ! command -v dockerd >/dev/null 2>&1; then
+  missing="$missing docker.io debootstrap"
+fi
 if [ -n "$missing" ]; then
   $sudo apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq $missing >/dev/null
+fi
+if [[ ",$extras," == *",dev,"* ]] && ! docker compose version >/dev/null 2>&1; then
+  # Compose v2 as a CLI plugin. Debian bookworm has only 1.x, trixie packages 2.x as a static binary.
+  $sudo bash docker/install-compose.sh
 fi
 python=$(command -v python3.11 || command -v python3)
 if [ "$extras" = "vllm" ]; then
