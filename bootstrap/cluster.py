@@ -79,6 +79,7 @@ class Cluster:
             self._lifecycle,
             self._push,
             self._tasks,
+            self.metrics,
         )
         self._reports = ReportIntake(
             settings,
@@ -176,6 +177,7 @@ class Cluster:
                 if self.healthy is None:
                     log.error("the store is unavailable: %s", exc)
                 self.healthy = str(exc)
+                self._directory.blind()
             await asyncio.sleep(REAP_INTERVAL_S)
 
     async def start(self) -> None:

@@ -1,23 +1,72 @@
 """Nodes joining, beating, draining and leaving: the cluster's membership as the store keeps it.
 
-A node missing heartbeats past its TTL, or whose connection dropped, is marked dead; a node that
-says it is broken, registers again (a restart) or leaves is lost as well: the rooms it held fail
-(``RoomLifecycle.fail_rooms_of``), and are placed again where they may be.
+A node missing heartbeats past its TTL (as this bootstrap could watch: ``Observation``), or whose
+connection dropped, is marked dead; a node that says it is broken, registers again (a restart) or
+leaves is lost as well: the rooms it held fail (``RoomLifecycle.fail_rooms_of``), and are placed
+again where they may be.
 """
 
 import logging
 import time
 
+from prometheus_client import Counter
+
 from bootstrap.lifecycle import RoomLifecycle
 from bootstrap.registry import Incompatible, Node, Registry, check
 from bootstrap.settings import BootstrapSettings
-from bootstrap.store import BootstrapInfo, NodeData, Store
+from bootstrap.store import BootstrapInfo, NodeData, Store, StoreUnavailable
 from bootstrap.tasks import Tasks
+from shared.metrics import ServiceMetrics
 from shared.wire.registration import Bootstrap, Heartbeat, NodeRegistration, Registered
 from shared.wire.security import Security
 from shared.wire.zmq_io import PushSockets
 
 log = logging.getLogger(__name__)
+# Two looks at the nodes further apart than this (or a quarter of the TTL, if more) mean this
+# bootstrap was not watching in between. A shorter gap cannot run out the lease of a node that
+# beats at least every half TTL, so it needs no grace.
+BLIND_GAP_S = 1.0
+
+
+# Seconds that go on while the host sleeps (a suspended VM's pause is a gap too), where there are.
+_CLOCK = getattr(time, "CLOCK_BOOTTIME", time.CLOCK_MONOTONIC)
+
+
+def clock() -> float:
+    return time.clock_gettime(_CLOCK)
+
+
+class Observation:
+    """Whether a node is silent, judged from what this bootstrap itself could watch.
+
+    Observer blindness is not node death. A node is dead by silence only if its lease ran out (no
+    beat for ``ttl_s``) and this bootstrap has been watching for ``ttl_s`` as well: counted from its
+    start, from its first look after a gap in its looks (it was stopped or stalled, or its store
+    did not answer), and from the last time its store failed it. Each bootstrap sharing a store
+    judges from its own observation. Pure: every instant is given, in ``clock()`` seconds.
+    """
+
+    def __init__(self, ttl_s: float, now: float):
+        self.ttl_s = ttl_s
+        self.gap_s = max(BLIND_GAP_S, ttl_s / 4)
+        self.since = now  # observing since
+        self._last_look = now
+
+    def looked(self, now: float) -> float | None:
+        """The nodes were read at ``now``; the gap since the last look if it was one of blindness."""
+        gap = now - self._last_look
+        self._last_look = now
+        if gap > self.gap_s:
+            self.since = now
+            return gap
+        return None
+
+    def blind(self, now: float) -> None:
+        """The store failed at ``now``: beats may have gone unrecorded."""
+        self.since = now
+
+    def silent(self, lease_ran_out: bool, now: float) -> bool:
+        return lease_ran_out and now - self.since >= self.ttl_s
 
 
 class NodeDirectory:
@@ -32,6 +81,7 @@ class NodeDirectory:
         lifecycle: RoomLifecycle,
         push: PushSockets,
         tasks: Tasks,
+        metrics: ServiceMetrics,
     ):
         self._settings = settings
         self._me = me
@@ -42,11 +92,22 @@ class NodeDirectory:
         self._lifecycle = lifecycle
         self._push = push
         self._tasks = tasks
-        self._started = time.monotonic()
+        self._observation = Observation(settings.node_ttl_s, clock())
+        self._marked_dead = Counter(
+            "kvroom_nodes_marked_dead_total",
+            "Nodes marked dead, by why: missed_heartbeats or lost_connection",
+            ["reason"],
+            registry=metrics.registry,
+        )
 
     def start(self) -> None:
-        """Nodes are taken for dead only a TTL after this."""
-        self._started = time.monotonic()
+        """Nodes are taken for dead only a TTL after this: a store that outlived us may hold leases
+        that ran out while no bootstrap answered."""
+        self._observation = Observation(self._settings.node_ttl_s, clock())
+
+    def blind(self) -> None:
+        """The store failed: no node is taken for dead before it had a TTL to beat again."""
+        self._observation.blind(clock())
 
     async def registered(self, node: Node, beat: Heartbeat | None = None) -> Registered:
         """What a node learns from a registration or heartbeat: every live bootstrap, this one first."""
@@ -105,7 +166,11 @@ class NodeDirectory:
             node.heartbeat = beat.model_dump_json().encode()
             node.healthy, node.problem, node.dead = beat.healthy, beat.problem, False
 
-        data = await self._store.update_node(node_id, change, self._settings.node_ttl_s)
+        try:
+            data = await self._store.update_node(node_id, change, self._settings.node_ttl_s)
+        except StoreUnavailable:
+            self.blind()  # the node beat; its lease could not be renewed
+            raise
         if data is None:
             return None
         if not beat.healthy:
@@ -124,9 +189,14 @@ class NodeDirectory:
         return self._registry.read(data) if data is not None else None
 
     async def forget(self, node_id: str) -> None:
-        """The node left: whatever it still held fails, and it is no longer listed."""
+        """The node left: whatever it still held fails, it is no longer listed, and its sockets close
+        (one that comes back at the same address, with another key, gets new ones)."""
+        node = await self._registry.node(node_id)
         await self._lifecycle.fail_rooms_of(node_id)
         await self._store.remove_node(node_id)
+        if node is not None:
+            for rank in node.reg.ranks:
+                self._push.forget(rank.zmq_endpoint)
         log.info("node %s left the cluster", node_id)
 
     def _disconnected(self, endpoint: str) -> None:
@@ -135,9 +205,9 @@ class NodeDirectory:
         for node in self._registry.last_look:
             if node.leader.zmq_endpoint == endpoint and not node.data.dead:
                 log.warning("lost the connection to node %s: marked dead", node.id)
-                self._tasks.spawn(self._mark_dead(node.id))
+                self._tasks.spawn(self._mark_dead(node.id, "lost_connection"))
 
-    async def _mark_dead(self, node_id: str) -> None:
+    async def _mark_dead(self, node_id: str, reason: str) -> None:
         flipped = False
 
         def change(node: NodeData) -> None:
@@ -146,16 +216,24 @@ class NodeDirectory:
 
         await self._store.update_node(node_id, change)
         if flipped:
+            self._marked_dead.labels(reason).inc()
             await self._lifecycle.fail_rooms_of(node_id)
 
     async def reap_dead_nodes(self) -> None:
-        if time.monotonic() - self._started < self._settings.node_ttl_s:
-            # Just started against a store that outlived us: nodes whose leases ran out while no
-            # bootstrap answered get one TTL to heartbeat before they are taken for dead.
-            return
-        for node in await self._registry.nodes():
-            if not node.alive and not node.data.dead:
+        """Mark dead the nodes silent for a TTL of this bootstrap's own watching (``Observation``)."""
+        nodes = await self._registry.nodes()
+        now = clock()  # after the read: a stall during it is a gap before this look
+        gap = self._observation.looked(now)
+        if gap is not None:
+            log.warning(
+                "this bootstrap watched no node for %.1fs (stopped, stalled or without its store): "
+                "every node gets %.1fs to beat before it is taken for dead",
+                gap,
+                self._settings.node_ttl_s,
+            )
+        for node in nodes:
+            if not node.data.dead and self._observation.silent(not node.alive, now):
                 log.warning(
                     "node %s missed heartbeats for %.1fs: marked dead", node.id, self._settings.node_ttl_s
                 )
-                await self._mark_dead(node.id)
+                await self._mark_dead(node.id, "missed_heartbeats")

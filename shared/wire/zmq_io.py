@@ -39,7 +39,8 @@ class PushSockets:
         self._security = security
         self._sockets: collections.OrderedDict[tuple[str, str], zmq.Socket] = collections.OrderedDict()
         self._max = max_sockets
-        self._monitors: dict[str, tuple[zmq.Socket, int]] = {}
+        # Per watched endpoint: its socket, that socket's monitor, and the monitor's descriptor.
+        self._monitors: dict[str, tuple[zmq.Socket, zmq.Socket, int]] = {}
 
     def _socket(self, endpoint: str, server_key: str) -> zmq.Socket:
         key = (endpoint, server_key)
@@ -80,6 +81,12 @@ class PushSockets:
             sock = self._socket(endpoint, server_key)
         except zmq.ZMQError:
             return
+        watched = self._monitors.get(endpoint)
+        if watched is not None and watched[0] is sock:
+            return
+        # A peer back at this endpoint with another key has another socket: the old one's monitor
+        # is closed here, or it stays open and zmq.Context.term() waits on it for ever.
+        self._unwatch(endpoint)
         monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         loop = asyncio.get_running_loop()
 
@@ -97,12 +104,12 @@ class PushSockets:
 
         fd = monitor.fileno()
         loop.add_reader(fd, drain)
-        self._monitors[endpoint] = (monitor, fd)
+        self._monitors[endpoint] = (sock, monitor, fd)
 
     def _unwatch(self, endpoint: str) -> None:
         watched = self._monitors.pop(endpoint, None)
         if watched is not None:
-            monitor, fd = watched
+            _, monitor, fd = watched
             with contextlib.suppress(Exception):
                 asyncio.get_running_loop().remove_reader(fd)
             monitor.close(0)
