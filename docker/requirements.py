@@ -8,6 +8,7 @@ needs nothing of the code (the version, for one, lives in the code).
 """
 
 import argparse
+import itertools
 import re
 import tomllib
 from pathlib import Path
@@ -29,7 +30,7 @@ def main() -> None:
         requirements += extras[extra]
     if args.only:
         wanted = {n.lower() for n in args.only}
-        requirements = [r for r in requirements + sum(extras.values(), []) if name(r) in wanted]
+        requirements = [r for r in [*requirements, *itertools.chain(*extras.values())] if name(r) in wanted]
         missing = wanted - {name(r) for r in requirements}
         if missing:
             parser.error(f"not in pyproject.toml: {', '.join(sorted(missing))}")
