@@ -3,7 +3,8 @@
 A node missing heartbeats past its TTL (as this bootstrap could watch: ``Observation``), or whose
 connection dropped, is marked dead; a node that says it is broken, registers again (a restart) or
 leaves is lost as well: the rooms it held fail (``RoomLifecycle.fail_rooms_of``), and are placed
-again where they may be.
+again where they may be. How the loss was learned decides whether its peers may free the pages
+it could still write (``lifecycle.WRITES_ENDED``).
 """
 
 import logging
@@ -30,6 +31,11 @@ BLIND_GAP_S = 1.0
 
 # Seconds that go on while the host sleeps (a suspended VM's pause is a gap too), where there are.
 _CLOCK = getattr(time, "CLOCK_BOOTTIME", time.CLOCK_MONOTONIC)
+
+
+def sessions(reg: NodeRegistration) -> list[tuple[str, str]]:
+    """What differs between two processes of one node: their ranks' engine sessions and keys."""
+    return [(r.session_id, r.public_key) for r in reg.ranks]
 
 
 def clock() -> float:
@@ -145,8 +151,10 @@ class NodeDirectory:
         data = NodeData(reg.node_id, reg.model_dump_json().encode(), now, now)
         await self._store.put_node(data, self._settings.node_ttl_s)
         if previous is not None:
-            # A restarted node lost whatever it held; its old endpoints may be gone.
-            await self._lifecycle.fail_rooms_of(previous.id)
+            # A node registered again lost whatever it held; its old endpoints may be gone. New
+            # engine sessions or keys: another process, so the old one writes no more.
+            restarted = sessions(previous.reg) != sessions(reg)
+            await self._lifecycle.fail_rooms_of(previous.id, "restarted" if restarted else "registered_again")
             for rank in previous.reg.ranks:
                 self._push.forget(rank.zmq_endpoint)
         log.info("node %s registered as %s with %d rank(s)", reg.node_id, reg.role, reg.tp_size)
@@ -174,7 +182,7 @@ class NodeDirectory:
         if data is None:
             return None
         if not beat.healthy:
-            await self._lifecycle.fail_rooms_of(node_id)  # a broken node writes nothing more
+            await self._lifecycle.fail_rooms_of(node_id, "unhealthy")
         return self._registry.read(data)
 
     async def drain(self, node_id: str) -> Node | None:
@@ -192,7 +200,7 @@ class NodeDirectory:
         """The node left: whatever it still held fails, it is no longer listed, and its sockets close
         (one that comes back at the same address, with another key, gets new ones)."""
         node = await self._registry.node(node_id)
-        await self._lifecycle.fail_rooms_of(node_id)
+        await self._lifecycle.fail_rooms_of(node_id, "left")
         await self._store.remove_node(node_id)
         if node is not None:
             for rank in node.reg.ranks:
@@ -217,7 +225,7 @@ class NodeDirectory:
         await self._store.update_node(node_id, change)
         if flipped:
             self._marked_dead.labels(reason).inc()
-            await self._lifecycle.fail_rooms_of(node_id)
+            await self._lifecycle.fail_rooms_of(node_id, reason)
 
     async def reap_dead_nodes(self) -> None:
         """Mark dead the nodes silent for a TTL of this bootstrap's own watching (``Observation``)."""

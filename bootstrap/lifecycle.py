@@ -11,6 +11,8 @@ assignments, and ending the attempt cancels them.
 import logging
 import time
 
+from prometheus_client import Counter
+
 from bootstrap import rooms
 from bootstrap.outbox import Outbox
 from bootstrap.placement import NoCapacity, NoLiveNode, Placement, room_pages
@@ -32,6 +34,11 @@ log = logging.getLogger(__name__)
 UNHEARD_S = 2.0
 # Sent again this many times and still unheard: the attempt fails, and the room is placed again.
 MAX_RESENDS = 2
+# How the bootstrap learned that a node is lost. Only these say that its process can write no more
+# (docs/failures.md, "One rule for death"), so that its peers may free at once the pages it could
+# write; silence, a dropped control socket or an unhealthy beat move its rooms elsewhere, and
+# their pages stay fenced until the writer gives them back or the lease runs out.
+WRITES_ENDED = frozenset({"left", "restarted"})
 
 
 class RoomLifecycle:
@@ -52,6 +59,14 @@ class RoomLifecycle:
         self._placement = placement
         self._tasks = tasks
         self._metrics = metrics
+        self._node_losses = Counter(
+            "kvroom_rooms_failed_by_node_loss_total",
+            "Room attempts failed because one of their nodes was lost, by the evidence: "
+            "missed_heartbeats, lost_connection, unhealthy, registered_again (these fence the "
+            "room's pages until the lease ends), left or restarted (these free them at once)",
+            ["evidence"],
+            registry=metrics.registry,
+        )
         self._outbox = Outbox(push, self._lost)
         self._vllm = VllmDriver(
             settings,
@@ -132,21 +147,27 @@ class RoomLifecycle:
     async def abort(self, room_id: protocol.RoomId) -> bool:
         return await self.fail(room_id, FailureReason.ABORTED, final=True)
 
-    async def fail_rooms_of(self, node_id: str) -> None:
-        """The node is lost: each of its rooms' attempts fails, and is placed again where it may be."""
+    async def fail_rooms_of(self, node_id: str, evidence: str) -> None:
+        """The node is lost (``evidence`` says how we know): each of its rooms' attempts fails, and
+        is placed again where it may be."""
+        writes_ended = evidence in WRITES_ENDED
         for room_id in await self._store.rooms_on(node_id):
-            await self.fail(room_id, FailureReason.PEER_LOST, dead_node=node_id)
+            failed = await self.fail(room_id, FailureReason.PEER_LOST, node_id, writes_ended)
+            if failed:
+                self._node_losses.labels(evidence).inc()
 
     async def fail(
         self,
         room_id: protocol.RoomId,
         reason: str,
         dead_node: str | None = None,
+        writes_ended: bool = False,
         final: bool = False,
         transfer: protocol.TransferId | None = None,
     ) -> bool:
         """End the room's current attempt with ``reason``: place it again if it may be, else end it.
-        With ``transfer``, only if that is still the current attempt's."""
+        With ``transfer``, only if that is still the current attempt's. ``writes_ended``: the dead
+        node can write no more, so its peers need not keep the room's pages fenced."""
         retry = False
         ended: Attempt | None = None
 
@@ -172,7 +193,7 @@ class RoomLifecycle:
         self._vllm.cancel(ended.transfer)
         for node_id in (ended.prefill, ended.decode):
             if node_id and node_id != dead_node:
-                await self._abort_on(node_id, ended.transfer, reason, peer_gone=dead_node is not None)
+                await self._abort_on(node_id, ended.transfer, reason, peer_gone=writes_ended)
         await self._release(room, ended)
         if retry:
             # Other nodes than the failed attempt's when there are any: a node that just failed a

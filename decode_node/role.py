@@ -1,4 +1,4 @@
-"""The decode role: what ``shared.node.builder`` builds a decode node from, with its aux-slot gauges."""
+"""The decode role: what ``shared.node.builder`` builds a decode node from, with its own gauges."""
 
 from decode_node.service import DecodeService
 from decode_node.settings import DecodeSettings
@@ -6,7 +6,7 @@ from shared.metrics import ServiceMetrics
 from shared.node.builder import Node, Role
 
 
-def aux_slot_gauges(metrics: ServiceMetrics, node: Node) -> None:
+def decode_gauges(metrics: ServiceMetrics, node: Node) -> None:
     metrics.gauge_function(
         "kvroom_free_aux_slots",
         "Free aux slots (the fewest of any rank)",
@@ -14,6 +14,11 @@ def aux_slot_gauges(metrics: ServiceMetrics, node: Node) -> None:
     )
     total = node.health()["total_aux_slots"]
     metrics.gauge_function("kvroom_total_aux_slots", "Aux slots of each rank", lambda: total)
+    metrics.gauge_function(
+        "kvroom_fenced_pages",
+        "Pages of failed rooms held until their writers give them back or the lease ends (all ranks)",
+        lambda: node.health()["fenced_pages"],
+    )
 
 
-DECODE = Role("decode", DecodeService, DecodeSettings, aux_slot_gauges)
+DECODE = Role("decode", DecodeService, DecodeSettings, decode_gauges)

@@ -95,6 +95,7 @@ class DecodeService(RankService):
             total_aux_slots=self.aux.slots,
             rooms_in_flight=len(self.rooms.live),
             fenced_rooms=len(self.fenced),
+            fenced_pages=sum(len(job.pages) for job in self.fenced.values()),
         )
 
     def holds(self, room: Room) -> bool:
@@ -233,6 +234,10 @@ class DecodeService(RankService):
             self.set_local(job, RoomState.TRANSFERRING)
 
     def _on_done(self, msg: protocol.DoneAux, record: memoryview | None, sender: str | None) -> None:
+        late = self.fenced.get(msg.transfer)
+        if late is not None and msg.transfer not in self.rooms.live:
+            self._on_late_done(late, msg, sender)
+            return
         job = self._job_for(msg.transfer, msg.rank, msg.prefill_rank, sender)
         job.timings.setdefault("done_received_at", time.time())
         p = msg.prefill_rank
@@ -355,6 +360,24 @@ class DecodeService(RankService):
         job.first_token = verdict.aux.first_token
         self.set_local(job, RoomState.SUCCESS, digest=record_digest(verdict.record))
 
+    def _on_late_done(self, job: DecodeJob, msg: protocol.DoneAux, sender: str | None) -> None:
+        """A prefill rank's writes for a room that failed here completed: into pages still fenced for
+        it, which is why they were fenced. That rank's lease ends; the record is not looked at."""
+        self.check_rank(msg.rank, msg.transfer)
+        lease = job.leases.get(msg.prefill_rank)
+        if lease is None or not lease.open:
+            raise RejectedMessage("done for a finished room", room=msg.transfer, kind="finished")
+        self.check_sender(sender, job.prefill_ranks[msg.prefill_rank], msg.transfer)
+        self.metrics.late_writes.inc()
+        log.info(
+            "transfer=%d writes of prefill rank %d completed after the room failed, into its fenced pages",
+            job.id,
+            msg.prefill_rank,
+            extra={"room": job.id},
+        )
+        lease.returned()
+        self._release(job)
+
     def _on_released(self, msg: protocol.RoomReleased, sender: str | None) -> None:
         self.check_rank(msg.rank, msg.transfer)
         job = self.fenced.get(msg.transfer) or self.rooms.live.get(msg.transfer)
@@ -381,7 +404,7 @@ class DecodeService(RankService):
         assert isinstance(job, DecodeJob)
         if msg.peer_gone:
             for lease in job.leases.values():
-                lease.revoke()  # the prefill node is gone: nothing more is written
+                lease.revoke()  # its process ended (it left, or another took its id): no more writes
         if job.state is RoomState.SUCCESS:
             # Ended now, and said so: a node that drains exits without waiting for the decode.
             # Every rank still decodes to the end (their collectives pair up); the output is dropped.

@@ -77,6 +77,11 @@ class ServiceMetrics:
                 registry=r,
                 buckets=LATENCY_BUCKETS,
             )
+            self.late_writes = Counter(
+                "kvroom_late_writes_total",
+                "Prefill writes that completed after their room failed here, into pages still fenced for it",
+                registry=r,
+            )
         if role == "bootstrap":
             self.time_to_success = Histogram(
                 "kvroom_time_to_success_seconds",

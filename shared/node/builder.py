@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 
 # A draining node's calls to the bootstrap (it drains, it leaves) wait at most this long each.
 LEAVE_TIMEOUT_S = 1.0
+# The longest a stopping node waits for the writes of the rooms it failed to end before it leaves.
+WRITES_SETTLE_S = 2.0
 
 
 def _no_gauges(metrics: ServiceMetrics, node: "Node") -> None:
@@ -213,8 +215,17 @@ class Node:
             for room in left:
                 leader.assign(protocol.AbortRoom(transfer=room, rank=0, reason=FailureReason.SHUTDOWN))
             await asyncio.sleep(0.1)  # their ends reach the reports
+        # Leaving tells the peers that this node writes no more, and they free at once the pages it
+        # could write (docs/failures.md, "One rule for death"): a prefill leaves only once its
+        # writes are over. Past the bound it exits without a word, and its peers wait out the lease.
+        settle = time.monotonic() + WRITES_SETTLE_S
+        while leader.rooms_in_flight() and time.monotonic() < settle:
+            await asyncio.sleep(0.05)
         self.link.flush()
         await asyncio.sleep(0.05)  # ZMQ sends are queued: let them leave before the sockets close
+        if self.role.name == "prefill" and leader.rooms_in_flight():
+            log.warning("drain: writes still in flight after %.1fs; exiting without leaving", WRITES_SETTLE_S)
+            return
         with contextlib.suppress(httpx.HTTPError):
             async with httpx.AsyncClient(base_url=settings.bootstrap_url, timeout=LEAVE_TIMEOUT_S) as client:
                 await client.delete(f"/nodes/{self.node_id}", headers=membership.auth)

@@ -223,6 +223,7 @@ class NodeLeader:
             "free_aux_slots": min(h.free_aux_slots for h in healths),
             "total_aux_slots": healths[0].total_aux_slots,
             "fenced_rooms": sum(h.fenced_rooms for h in healths),
+            "fenced_pages": sum(h.fenced_pages for h in healths),
             "ranks": [
                 {
                     **msgspec.structs.asdict(self.ranks[r]),

@@ -166,7 +166,7 @@ class AbortRoom(msgspec.Struct, frozen=True):
     transfer: Transfer
     rank: Rank  # the rank addressed; 0 for a node's leader
     reason: Text
-    peer_gone: bool = False  # the room's other node is gone: nothing more will be written
+    peer_gone: bool = False  # the other node's process ended (it left, or another took its id)
 
 
 class RevokeLease(msgspec.Struct, frozen=True):
@@ -346,6 +346,7 @@ class RankHealth(msgspec.Struct, frozen=True):
     total_aux_slots: NonNegative
     rooms_in_flight: NonNegative
     fenced_rooms: NonNegative
+    fenced_pages: NonNegative = 0  # pages of failed rooms a writer may still write into
 
 
 class RankReady(msgspec.Struct, frozen=True):

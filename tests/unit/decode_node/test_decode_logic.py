@@ -189,6 +189,23 @@ def test_fenced_pages_come_back_when_the_lease_ends_and_not_before():
     run(body, lease_timeout_s=10)
 
 
+def test_an_abort_for_a_silent_peer_keeps_pages_fenced_until_its_late_writes_complete():
+    async def body(service, node):
+        assign(service)
+        service.handle_assignment(protocol.AbortRoom(ROOM, 0, "peer_lost"))  # a TTL, not evidence
+        assert ROOM in service.fenced and service.pool.free_pages == 30
+        assert service.health().fenced_pages == 2
+        with pytest.raises(RejectedMessage):  # a done from another key ends nothing
+            service.handle_peer(protocol.DoneAux(ROOM, 0, 0, 0, 2, 0, 0.0), None, "someone-else")
+        assert ROOM in service.fenced
+        service.handle_peer(protocol.DoneAux(ROOM, 0, 0, 0, 2, 0, 0.0), None, PREFILL_KEY)
+        assert not service.fenced and service.pool.free_pages == 32
+        assert service.metrics.late_writes._value.get() == 1
+        assert service.rooms.find(ROOM).state is RoomState.FAILED
+
+    run(body, lease_timeout_s=60)
+
+
 def test_an_abort_for_a_gone_peer_frees_pages_at_once():
     async def body(service, node):
         assign(service)
