@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
 from bootstrap import rooms
 from bootstrap.cluster import Cluster
-from bootstrap.placement import NoCapacity, NoLiveNode
+from bootstrap.placement import NeverFits, NoCapacity, NoLiveNode
 from bootstrap.plain_request import (
     VALIDATION_ERROR,
     Errors,
@@ -181,6 +181,8 @@ async def place(
         return await cluster.place(tokens, max_new_tokens, stop, stream)
     except NoLiveNode as exc:
         raise HTTPException(503, str(exc)) from exc
+    except NeverFits as exc:
+        raise HTTPException(400, f"{exc}: it can never be placed") from exc
     except NoCapacity as exc:
         raise HTTPException(503, str(exc), headers={"Retry-After": "1"}) from exc
 

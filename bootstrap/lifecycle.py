@@ -15,7 +15,7 @@ from prometheus_client import Counter
 
 from bootstrap import rooms
 from bootstrap.outbox import Outbox
-from bootstrap.placement import NoCapacity, NoLiveNode, Placement, room_pages
+from bootstrap.placement import NeverFits, NoCapacity, NoLiveNode, Placement, room_pages
 from bootstrap.registry import Node, Registry
 from bootstrap.settings import BootstrapSettings
 from bootstrap.store import Attempt, RoomData, Store, StoreUnavailable
@@ -86,7 +86,7 @@ class RoomLifecycle:
     async def place(
         self, input_ids: list[int], max_new_tokens: int, stop: list[str], stream: bool
     ) -> RoomData:
-        """Place a new room and hand it to its nodes; NoLiveNode or NoCapacity if it cannot go anywhere."""
+        """Place a new room and hand it to its nodes; NoLiveNode, NeverFits or NoCapacity if it cannot."""
         room_id = protocol.RoomId(rooms.new_id())
         prefill, decode = await self._placement.choose(room_id, len(input_ids), max_new_tokens, set())
         room = RoomData(
@@ -209,7 +209,7 @@ class RoomLifecycle:
         tokens = len(room.input_ids)
         try:
             prefill, decode = await self._placement.choose(room.room, tokens, room.max_new_tokens, exclude)
-        except (NoLiveNode, NoCapacity, StoreUnavailable) as exc:
+        except (NoLiveNode, NeverFits, NoCapacity, StoreUnavailable) as exc:
             log.warning("room=%d cannot be placed again: %s", room.room, exc, extra={"room": room.room})
             ended = await self._store.update_room(room.room, lambda r: rooms.end(r, reason))
             if ended is not None and ended.done:

@@ -1,6 +1,7 @@
 """Where a room goes: the placeable decode with the most free pages that fits it and the prefill with
 the fewest rooms in flight, their pages taken atomically in the store. A room that fits nowhere now
-waits in a bounded queue until a room ends or its wait runs out."""
+waits in a bounded queue until a room ends or its wait runs out; one larger than every pool of a
+role in service is refused at once, since no wait would place it."""
 
 import asyncio
 import contextlib
@@ -25,6 +26,10 @@ class NoLiveNode(Exception):
 
 class NoCapacity(Exception):
     """No node has room now and the queue is full (or the wait ran out): try again later."""
+
+
+class NeverFits(Exception):
+    """The room needs more pages than any node of a role in service has in all."""
 
 
 def room_pages(node: Node, tokens: int, max_new_tokens: int) -> int:
@@ -85,8 +90,16 @@ class Placement:
         and the node TTL ends the wait if it is one)."""
         nodes = await self._registry.nodes()
         for role in ("prefill", "decode"):
-            if not any(n.role == role and n.in_service for n in nodes):
+            serving = [n for n in nodes if n.role == role and n.in_service]
+            if not serving:
                 raise NoLiveNode(role)
+            roomiest = max(serving, key=lambda n: n.reg.num_pages - room_pages(n, tokens, max_new_tokens))
+            need = room_pages(roomiest, tokens, max_new_tokens)
+            if need > roomiest.reg.num_pages:
+                raise NeverFits(
+                    f"a room of {tokens} prompt tokens and {max_new_tokens} new tokens needs {need} KV "
+                    f"pages on a {role} node, and the largest {role} pool has {roomiest.reg.num_pages}"
+                )
         chosen = []
         for role, order in (("decode", lambda n: -n.free_pages), ("prefill", lambda n: n.load.rooms)):
             live = [n for n in nodes if n.role == role and n.placeable]

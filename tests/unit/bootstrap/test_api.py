@@ -403,3 +403,23 @@ def test_a_fault_of_the_bootstraps_own_is_a_500_in_the_routes_shape():
         }
         answer = client.post("/rooms", json={"prompt": "hi"})
         assert (answer.status_code, answer.json()) == (500, {"detail": "internal error"})
+
+
+@pytest.mark.parametrize(("prompt_tokens", "max_new_tokens"), [(80, 1), (40, 40)])
+def test_a_room_larger_than_every_pool_is_refused_at_once_on_both_routes(prompt_tokens, max_new_tokens):
+    with make_client(max_wait_s=30) as client:
+        for node_id, role, port in (("p0", "prefill", 5555), ("d0", "decode", 5556)):
+            reg = registration(node_id, role, port=port)
+            reg["num_pages"] = 4  # 64 tokens of 16-token pages
+            assert client.post("/nodes", json=reg, headers=AUTH).status_code == 201
+        prompt = "x" * prompt_tokens
+        room = client.post("/rooms", json={"prompt": prompt, "max_new_tokens": max_new_tokens})
+        assert room.status_code == 400, room.text
+        assert "largest" in room.json()["detail"] and "pool has 4" in room.json()["detail"]
+        assert "retry-after" not in room.headers
+        body = {"model": "reference", "prompt": prompt, "max_tokens": max_new_tokens}
+        completion = client.post("/v1/completions", json=body)
+        assert completion.status_code == 400, completion.text
+        assert completion.json()["error"]["type"] == "invalid_request_error"
+        fits = client.post("/rooms", json={"prompt": "x" * 20, "max_new_tokens": 10})
+        assert fits.status_code == 201, fits.text
