@@ -387,6 +387,8 @@ class DecodeService(RankService):
                 "release for a room holding no lease", room=msg.transfer, kind="unknown_room"
             )
         self.check_sender(sender, job.prefill_ranks[msg.prefill_rank], msg.transfer)
+        if msg.wrote and job.id in self.fenced:
+            self.metrics.late_writes.inc()  # its writes outlived the room: they landed in fenced pages
         lease.returned()
         if msg.reason and not job.state.terminal:
             # The prefill gave the room up: it cannot succeed any more.

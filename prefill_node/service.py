@@ -437,10 +437,11 @@ class PrefillService(RankService):
         borrow = job.borrow(decode_rank)
         if borrow.state is BorrowState.RELEASED:
             return
+        wrote = borrow.state is not BorrowState.IDLE
         borrow.to(BorrowState.RELEASED)
         reason = "" if job.state is RoomState.SUCCESS else job.reason or ""
         msg = protocol.RoomReleased(
-            transfer=job.id, rank=decode_rank, prefill_rank=self.rank.index, reason=reason
+            transfer=job.id, rank=decode_rank, prefill_rank=self.rank.index, reason=reason, wrote=wrote
         )
         self.rank.send(job.decode_ranks[decode_rank], msg)
 

@@ -79,7 +79,8 @@ class ServiceMetrics:
             )
             self.late_writes = Counter(
                 "kvroom_late_writes_total",
-                "Prefill writes that completed after their room failed here, into pages still fenced for it",
+                "Writes of prefill ranks that ended (done+aux or release) only after their room failed "
+                "here: into pages still fenced for it",
                 registry=r,
             )
         if role == "bootstrap":

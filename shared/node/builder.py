@@ -218,12 +218,13 @@ class Node:
         # Leaving tells the peers that this node writes no more, and they free at once the pages it
         # could write (docs/failures.md, "One rule for death"): a prefill leaves only once its
         # writes are over. Past the bound it exits without a word, and its peers wait out the lease.
+        writer = self.role.name == "prefill"
         settle = time.monotonic() + WRITES_SETTLE_S
-        while leader.rooms_in_flight() and time.monotonic() < settle:
+        while writer and leader.rooms_in_flight() and time.monotonic() < settle:
             await asyncio.sleep(0.05)
         self.link.flush()
         await asyncio.sleep(0.05)  # ZMQ sends are queued: let them leave before the sockets close
-        if self.role.name == "prefill" and leader.rooms_in_flight():
+        if writer and leader.rooms_in_flight():
             log.warning("drain: writes still in flight after %.1fs; exiting without leaving", WRITES_SETTLE_S)
             return
         with contextlib.suppress(httpx.HTTPError):

@@ -256,6 +256,7 @@ class RoomReleased(msgspec.Struct, frozen=True):
     rank: Rank
     prefill_rank: Rank
     reason: Text
+    wrote: bool = False  # some of its writes began: they have landed, or never will
 
 
 class RoomRecord(msgspec.Struct, kw_only=True):

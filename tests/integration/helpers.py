@@ -4,6 +4,9 @@ import httpx
 
 from launcher.local_stack import Service
 
+# Real nodes with one thing broken on purpose (tests/integration/hooked_node.py).
+HOOKED = "tests.integration.hooked_node"
+
 
 def node_transfer(service: Service, transfer: int) -> dict[str, Any] | None:
     """A node's own view of a transfer (a room's first placement has the room's id)."""

@@ -11,12 +11,10 @@ from launcher.local_stack import Service
 from shared.models.reference import encode_text, generate
 from shared.wire import protocol
 from shared.wire.security import CurveKeys, Security
-from tests.integration.helpers import metric, node_transfer, pools_full
+from tests.integration.helpers import HOOKED, metric, node_transfer, pools_full
 from tests.integration.holding_proxy import in_front_of
 from tests.support import until
 from tests.support.stacks import FAST_NODE, NOTICES_AT_ONCE
-
-HOOKED = "tests.integration.hooked_node"
 
 
 def rejected(service: Service, kind: str) -> float:

@@ -206,6 +206,18 @@ def test_an_abort_for_a_silent_peer_keeps_pages_fenced_until_its_late_writes_com
     run(body, lease_timeout_s=60)
 
 
+@pytest.mark.parametrize("wrote", [True, False])
+def test_a_release_after_the_room_failed_counts_a_late_write_only_if_writes_began(wrote):
+    async def body(service, node):
+        assign(service)
+        service.handle_assignment(protocol.AbortRoom(ROOM, 0, "aborted"))
+        service.handle_peer(protocol.RoomReleased(ROOM, 0, 0, "aborted", wrote), None, PREFILL_KEY)
+        assert not service.fenced and service.pool.free_pages == 32
+        assert service.metrics.late_writes._value.get() == (1 if wrote else 0)
+
+    run(body)
+
+
 def test_an_abort_for_a_gone_peer_frees_pages_at_once():
     async def body(service, node):
         assign(service)
