@@ -114,7 +114,7 @@ def test_both_requests_go_at_once_and_the_room_completes_only_on_the_decodes_suc
         d0.join(client)
         room = place(client)
         # The decode's request came while the prefill's was still unanswered: not prefill first.
-        until(lambda: fake.got("d0"), 10, "the decode's request")
+        until(lambda: fake.got("d0") and fake.got("p0"), 10, "both requests")
         (prefill,) = fake.got("p0")
         assert not prefill.answered
         assert prefill.body == {
