@@ -39,6 +39,9 @@ MAX_RESENDS = 2
 # write; silence, a dropped control socket or an unhealthy beat move its rooms elsewhere, and
 # their pages stay fenced until the writer gives them back or the lease runs out.
 WRITES_ENDED = frozenset({"left", "restarted"})
+# Failed attempts remembered per prefill node, whose decodes may keep pages fenced for its writes
+# until it is known to write no more: then they are told. Older ones have had their lease run out.
+FENCED_REMEMBERED = 4096
 
 
 class RoomLifecycle:
@@ -59,6 +62,8 @@ class RoomLifecycle:
         self._placement = placement
         self._tasks = tasks
         self._metrics = metrics
+        # Prefill node -> its failed attempts' transfers and their decode nodes.
+        self._fenced_for: dict[str, dict[protocol.TransferId, str]] = {}
         self._node_losses = Counter(
             "kvroom_rooms_failed_by_node_loss_total",
             "Room attempts failed because one of their nodes was lost, by the evidence: "
@@ -151,6 +156,9 @@ class RoomLifecycle:
         """The node is lost (``evidence`` says how we know): each of its rooms' attempts fails, and
         is placed again where it may be."""
         writes_ended = evidence in WRITES_ENDED
+        if writes_ended:  # the rooms that failed before, however, need no fence any more
+            for transfer, decode in self._fenced_for.pop(node_id, {}).items():
+                await self._abort_on(decode, transfer, FailureReason.PEER_LOST, peer_gone=True)
         for room_id in await self._store.rooms_on(node_id):
             failed = await self.fail(room_id, FailureReason.PEER_LOST, node_id, writes_ended)
             if failed:
@@ -194,6 +202,8 @@ class RoomLifecycle:
         for node_id in (ended.prefill, ended.decode):
             if node_id and node_id != dead_node:
                 await self._abort_on(node_id, ended.transfer, reason, peer_gone=writes_ended)
+        if not writes_ended:
+            self._remember_fenced(ended)
         await self._release(room, ended)
         if retry:
             # Other nodes than the failed attempt's when there are any: a node that just failed a
@@ -247,6 +257,8 @@ class RoomLifecycle:
 
     async def finished(self, room: RoomData) -> None:
         """The room ended on its nodes' report: its pages go back, and its end is counted."""
+        if room.failed:
+            self._remember_fenced(room.attempt)
         await self._release(room, room.attempt)
         self._count_end(room)
 
@@ -257,6 +269,14 @@ class RoomLifecycle:
         if attempt.prefill:
             await self._store.release(attempt.prefill, room.prefill_pages, room.room)
         self._placement.freed()
+
+    def _remember_fenced(self, attempt: Attempt) -> None:
+        if not (attempt.prefill and attempt.decode):
+            return
+        fenced = self._fenced_for.setdefault(attempt.prefill, {})
+        fenced[attempt.transfer] = attempt.decode
+        if len(fenced) > FENCED_REMEMBERED:
+            del fenced[next(iter(fenced))]
 
     async def _abort_on(
         self, node_id: str, transfer: protocol.TransferId, reason: str, peer_gone: bool = False

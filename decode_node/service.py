@@ -398,6 +398,14 @@ class DecodeService(RankService):
             self._release(job)
 
     def _on_abort(self, msg: protocol.AbortRoom) -> None:
+        fenced = self.fenced.get(msg.transfer)
+        if fenced is not None and msg.peer_gone:  # failed before; its writer's process has ended now
+            for lease in fenced.leases.values():
+                lease.revoke()
+            self._release(fenced)
+            return
+        if msg.peer_gone and msg.transfer not in self.rooms.live:
+            return  # the bootstrap's word for a room that failed before and is no longer fenced here
         job = self.rooms.live.get(msg.transfer)
         if job is None:
             if self.rooms.find(msg.transfer) is None and msg.transfer not in self.fenced:

@@ -106,7 +106,12 @@ class PrefillService(RankService):
             total_aux_slots=0,
             rooms_in_flight=len(self.rooms.live),
             fenced_rooms=self.worker.quarantined,
+            writes_in_flight=self.worker.quarantined + sum(map(self._writing, self.rooms.live.values())),
         )
+
+    @staticmethod
+    def _writing(room: Room) -> bool:
+        return isinstance(room, PrefillJob) and room.any_borrow(BorrowState.WRITING)
 
     def holds(self, room: Room) -> bool:
         assert isinstance(room, PrefillJob)

@@ -132,6 +132,7 @@ class Node:
     ):
         self.role = role
         self.settings = settings
+        self.stopping = asyncio.Event()  # set by a signal, or by a rank's death: ``serve`` drains
         self.node_id = node_id = settings.resolved_node_id(role.name)
         self.rank = rank
         self.links = links
@@ -167,13 +168,18 @@ class Node:
     def rank_died(self, rank: int, how: str) -> None:
         self.leader.rank_died(rank, how)
         self.membership.beat_now()  # the bootstrap stops placing rooms here now, not at the next beat
+        if not self.settings.stay_up_on_rank_death:
+            log.error("the node leaves the cluster and exits, for its supervisor to start it again")
+            self.refuse_new_rooms()
+            self.stopping.set()
 
     def refuse_new_rooms(self) -> None:
         """From this moment, before the drain begins: rooms not seen yet are refused."""
         self.leader.draining = True
 
-    async def serve(self, stop: asyncio.Event) -> None:
-        """Take rooms until ``stop`` is set, then drain; the other ranks must be started."""
+    async def serve(self) -> None:
+        """Take rooms until ``stopping`` is set, then drain; the other ranks must be started."""
+        stop = self.stopping
         service, metrics = self.service, self.metrics
         pull = self.rank.bind()
         try:
@@ -200,18 +206,18 @@ class Node:
 
     async def drain(self) -> None:
         """Place nothing more here, let rooms in flight end within the grace period, fail the rest.
-        The bootstrap is told with short timeouts: a slow one does not stretch the grace."""
+        The bootstrap is told with short timeouts: a slow one does not stretch the grace. A node that
+        lost a rank has no grace: its rooms' collectives would wait for the dead rank for ever."""
         settings, leader, membership = self.settings, self.leader, self.membership
-        deadline = time.monotonic() + settings.drain_grace_s
+        grace = 0.0 if leader.broken is not None else settings.drain_grace_s
+        deadline = time.monotonic() + grace
         leader.draining = True
         await membership.leave(timeout_s=LEAVE_TIMEOUT_S)
         while leader.rooms_in_flight() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         left = list(self.service.rooms.live)
         if left:
-            log.warning(
-                "drain: %d rooms still in flight after %.1fs; failing them", len(left), settings.drain_grace_s
-            )
+            log.warning("drain: %d rooms still in flight after %.1fs; failing them", len(left), grace)
             for room in left:
                 leader.assign(protocol.AbortRoom(transfer=room, rank=0, reason=FailureReason.SHUTDOWN))
             await asyncio.sleep(0.1)  # their ends reach the reports
@@ -220,11 +226,11 @@ class Node:
         # writes are over. Past the bound it exits without a word, and its peers wait out the lease.
         writer = self.role.name == "prefill"
         settle = time.monotonic() + WRITES_SETTLE_S
-        while writer and leader.rooms_in_flight() and time.monotonic() < settle:
+        while writer and leader.writes_in_flight() and time.monotonic() < settle:
             await asyncio.sleep(0.05)
         self.link.flush()
         await asyncio.sleep(0.05)  # ZMQ sends are queued: let them leave before the sockets close
-        if writer and leader.rooms_in_flight():
+        if writer and leader.writes_in_flight():
             log.warning("drain: writes still in flight after %.1fs; exiting without leaving", WRITES_SETTLE_S)
             return
         with contextlib.suppress(httpx.HTTPError):

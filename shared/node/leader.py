@@ -244,3 +244,7 @@ class NodeLeader:
 
     def rooms_in_flight(self) -> int:
         return sum(h.rooms_in_flight + h.fenced_rooms for h in self._rank_health())
+
+    def writes_in_flight(self) -> int:
+        """Writes to peers that may still move, on the ranks still alive (a dead one writes nothing)."""
+        return sum(h.writes_in_flight for h in self._rank_health() if self.alive.get(h.rank, False))

@@ -90,15 +90,14 @@ def _free_port() -> int:
 def run_node(role: Role, settings: NodeSettings) -> None:
     configure_logging(settings.log_level, settings.log_format, role.name)
     configure_determinism()
-    uvloop.run(_leader(role, settings))
-    _exit_now()
+    _exit_now(uvloop.run(_leader(role, settings)))
 
 
-def _exit_now() -> None:
+def _exit_now(status: int = 0) -> None:
     """Exit once the node stopped, without waiting for a model thread still decoding a room that
-    was ended ``shutdown``: the interpreter would join it, however long its decode."""
+    was ended ``shutdown`` (or stuck in a collective with a dead rank): the interpreter would join it."""
     logging.shutdown()
-    os._exit(0)
+    os._exit(status)
 
 
 def http_app(node: Node) -> FastAPI:
@@ -123,9 +122,9 @@ def http_app(node: Node) -> FastAPI:
     return app
 
 
-async def _leader(role: Role, settings: NodeSettings) -> None:
+async def _leader(role: Role, settings: NodeSettings) -> int:
+    """The node's life in rank 0's process; its exit status (1: it stopped because a rank died)."""
     loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
     world = settings.tp_size
     children: list[multiprocessing.process.BaseProcess] = []
     link_dir = Path(tempfile.mkdtemp(prefix=f"kvroom-{role.name}-"))
@@ -152,7 +151,7 @@ async def _leader(role: Role, settings: NodeSettings) -> None:
 
     def drain_now() -> None:
         node.refuse_new_rooms()
-        stop.set()
+        node.stopping.set()
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, drain_now)
@@ -175,7 +174,7 @@ async def _leader(role: Role, settings: NodeSettings) -> None:
         async with asyncio.TaskGroup() as tg:
             http = tg.create_task(server.serve())
             watch = tg.create_task(_watch_children(node, children)) if children else None
-            await node.serve(stop)
+            await node.serve()
             server.should_exit = True
             if watch is not None:
                 watch.cancel()
@@ -189,6 +188,7 @@ async def _leader(role: Role, settings: NodeSettings) -> None:
         node.close()
         shutil.rmtree(link_dir, ignore_errors=True)
         log.info("%s node %s stopped", role.name, node.node_id)
+    return 0 if node.leader.broken is None else 1
 
 
 async def _watch_children(node: Node, children: list[multiprocessing.process.BaseProcess]) -> None:

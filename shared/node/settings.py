@@ -67,6 +67,11 @@ class NodeSettings(ServiceSettings):
     lease_timeout_s: float = Field(
         60.0, gt=0, description="seconds pages stay fenced while a peer's write may still be moving"
     )
+    stay_up_on_rank_death: bool = Field(
+        False,
+        description="keep a node that lost a rank process running, broken, for debugging; by default "
+        "it fails its rooms, leaves the cluster and exits with status 1, for its supervisor to restart",
+    )
 
     @model_validator(mode="after")
     def _layout_only_for_synthetic_kv(self) -> "NodeSettings":

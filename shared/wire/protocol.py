@@ -348,6 +348,7 @@ class RankHealth(msgspec.Struct, frozen=True):
     rooms_in_flight: NonNegative
     fenced_rooms: NonNegative
     fenced_pages: NonNegative = 0  # pages of failed rooms a writer may still write into
+    writes_in_flight: NonNegative = 0  # a prefill's rooms whose writes to peers may still move
 
 
 class RankReady(msgspec.Struct, frozen=True):

@@ -141,11 +141,13 @@ def test_an_aux_that_never_lands_fails_every_rank(stack, tp_decode):
     ("role", "held"), [("decode", protocol.DoneAux), ("prefill", protocol.TransferRequest)]
 )
 def test_a_killed_rank_breaks_its_node_and_rooms_move_on(fast_stack, model, role, held):
+    """With --stay-up-on-rank-death (for debugging) the broken node stays, unhealthy, and frees what
+    its live rank held."""
     stack = fast_stack
     stack.bootstrap.start()
     stack.bootstrap.wait_healthy(registered=False)
     other = "prefill" if role == "decode" else "decode"
-    broken = stack.node(role, f"{role}-tp", [*FAST_NODE, "--tp-size", "2"])
+    broken = stack.node(role, f"{role}-tp", [*FAST_NODE, "--tp-size", "2", "--stay-up-on-rank-death"])
     # What the broken node waits for is held, so its rooms are mid-flight when its rank dies.
     with in_front_of(broken, lambda m: isinstance(m, held), ranks=2) as proxy:
         broken.start()
@@ -193,3 +195,41 @@ def test_a_killed_rank_breaks_its_node_and_rooms_move_on(fast_stack, model, role
                 final = client.get(f"/rooms/{r['room']}", params={"wait": 20}).json()
                 assert final["state"] == "SUCCESS"
                 assert final["output_ids"] == generate(model, encode_text(f"after {i}"), 5)
+
+
+def test_a_prefill_that_loses_a_rank_leaves_and_exits_and_its_decode_frees_at_once(fast_stack, model):
+    """A rank's death is certain: the prefill node fails its rooms, leaves the cluster and exits 1;
+    its decode frees the pages it had lent at once, not after the 60 s lease."""
+    stack = fast_stack
+    stack.bootstrap.start()
+    stack.bootstrap.wait_healthy(registered=False)
+    broken = stack.node("prefill", "prefill-tp", [*FAST_NODE, "--tp-size", "2"])
+    decode = stack.node("decode", "decode-tp", [*FAST_NODE, "--tp-size", "2"]).start()
+    # The decode's transfer requests are held: the rooms are mid-flight, their pages lent.
+    with in_front_of(broken, lambda m: isinstance(m, protocol.TransferRequest), ranks=2) as proxy:
+        broken.start()
+        broken.wait_healthy()
+        decode.wait_healthy()
+        prompts = [f"doomed {i} " * (1 + i) for i in range(4)]
+        with stack.client() as client:
+            rooms = [
+                client.post("/rooms", json={"prompt": p, "max_new_tokens": 5}).json()["room"] for p in prompts
+            ]
+            until(lambda: proxy.held_rooms() == set(rooms), 20, "the rooms mid-flight")
+            assert decode.health()["free_pages"] < decode.health()["total_pages"]
+            healthy = stack.node("prefill", "prefill-one", FAST_NODE).start()
+            healthy.wait_healthy()
+            rank1 = next(r for r in broken.health()["ranks"] if r["rank"] == 1)
+            os.kill(rank1["pid"], signal.SIGKILL)
+            assert broken.proc.wait(10) == 1  # for its supervisor to start it again
+            assert broken.name not in {n["node_id"] for n in client.get("/nodes").json()}  # it left
+            for prompt, room in zip(prompts, rooms, strict=True):
+                final = client.get(f"/rooms/{room}", params={"wait": 30}).json()
+                assert final["attempts"][0]["reason"] == "peer_lost", final
+                assert final["state"] == "SUCCESS" and final["prefill"]["node_id"] == healthy.name, final
+                assert final["output_ids"] == generate(model, encode_text(prompt), 5)
+            until(lambda: all_ranks_full(decode), 5, "every decode rank's pages and slots back")
+            results = asyncio.run(run_rooms(stack.bootstrap.url, [f"after {i}" for i in range(4)], 5))
+            for i, final in enumerate(results):
+                assert final.json()["state"] == "SUCCESS"
+                assert final.json()["output_ids"] == generate(model, encode_text(f"after {i}"), 5)

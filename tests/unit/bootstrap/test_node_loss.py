@@ -61,3 +61,17 @@ def test_silence_past_the_ttl_moves_the_room_and_leaves_its_pages_fenced(silent_
         assert [(a.reason, a.peer_gone) for a in aborts] == [("peer_lost", False)]
         metrics = client.get("/metrics").text
         assert 'kvroom_rooms_failed_by_node_loss_total{evidence="missed_heartbeats"} 1.0' in metrics
+
+
+def test_a_prefill_that_leaves_after_its_rooms_failed_unfences_them_on_their_decode(silent_nodes):
+    prefill, decode = silent_nodes
+    with make_client(max_attempts=1) as client:
+        join(client, prefill, decode)
+        client.post("/rooms", json={"input_ids": [72, 105], "max_new_tokens": 4})
+        (placed,) = decode.messages(protocol.DecodeRoom)
+        lose(client, prefill, "unhealthy")  # the room fails; its pages stay fenced
+        (fenced,) = [m for m in decode.messages(protocol.AbortRoom) if isinstance(m, protocol.AbortRoom)]
+        assert not fenced.peer_gone
+        lose(client, prefill, "left")  # now nothing of it can land
+        (gone,) = [m for m in decode.messages(protocol.AbortRoom) if isinstance(m, protocol.AbortRoom)]
+        assert (gone.transfer, gone.peer_gone) == (placed.transfer, True)

@@ -453,3 +453,16 @@ def test_verified_pages_that_match_succeed_and_pages_that_cannot_be_digested_fai
             assert (job.state, job.reason) == expected
 
     run(body, verify_kv=True)
+
+
+def test_a_gone_peers_word_for_a_fenced_room_frees_it_and_for_an_unknown_one_is_ignored():
+    async def body(service, node):
+        assign(service)
+        service.handle_assignment(protocol.AbortRoom(ROOM, 0, "peer_lost"))
+        assert ROOM in service.fenced
+        service.handle_assignment(protocol.AbortRoom(ROOM, 0, "peer_lost", peer_gone=True))
+        assert not service.fenced and service.pool.free_pages == 32
+        service.handle_assignment(protocol.AbortRoom(ROOM + 1, 0, "peer_lost", peer_gone=True))
+        assert service.rooms.find(ROOM + 1) is None
+
+    run(body)
