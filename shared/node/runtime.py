@@ -200,7 +200,7 @@ async def _watch_children(node: Node, children: list[multiprocessing.process.Bas
         while True:
             index = await ended.get()
             loop.remove_reader(children[index - 1].sentinel)
-            children[index - 1].join(0)
+            children[index - 1].join(1)  # reaped, so that its exit code is known
             node.rank_died(index, f"exited with code {children[index - 1].exitcode}")
     finally:
         for child in children:

@@ -4,6 +4,7 @@ and aux slots; heterogeneous sizes between prefill and decode; ranks that agree 
 import asyncio
 import os
 import signal
+import time
 
 import httpx
 import pytest
@@ -233,3 +234,45 @@ def test_a_prefill_that_loses_a_rank_leaves_and_exits_and_its_decode_frees_at_on
             for i, final in enumerate(results):
                 assert final.json()["state"] == "SUCCESS"
                 assert final.json()["output_ids"] == generate(model, encode_text(f"after {i}"), 5)
+
+
+def test_a_decode_that_loses_a_rank_exits_and_its_supervisor_brings_it_back_as_a_new_incarnation(
+    fast_stack, model
+):
+    """A TP 4 decode whose rank 2 is killed mid-stream exits 1 within seconds, is gone from the
+    bootstrap's list at once, and, started again as a supervisor would, serves rooms again."""
+    stack = fast_stack
+    stack.bootstrap.start()
+    stack.bootstrap.wait_healthy(registered=False)
+    prefill = stack.node("prefill", "prefill-0", FAST_NODE).start()
+    decode = stack.node("decode", "decode-tp4", [*FAST_NODE, "--tp-size", "4"]).start()
+    prefill.wait_healthy()
+    decode.wait_healthy()
+    with stack.client() as client:
+        first = {n["node_id"]: n for n in client.get("/nodes").json()}[decode.name]
+        prompts = [f"streaming {i}" for i in range(4)]
+        rooms = [
+            client.post("/rooms", json={"prompt": p, "max_new_tokens": 200}).json()["room"] for p in prompts
+        ]
+        until(lambda: client.get(f"/rooms/{rooms[0]}").json()["state"] == "SUCCESS", 30, "a room decoding")
+        rank2 = next(r for r in decode.health()["ranks"] if r["rank"] == 2)
+        os.kill(rank2["pid"], signal.SIGKILL)
+        killed = time.monotonic()
+        assert decode.proc.wait(10) == 1
+        print(f"the broken decode exited {time.monotonic() - killed:.1f}s after its rank died")
+        assert decode.name not in {n["node_id"] for n in client.get("/nodes").json()}
+        for prompt, room in zip(prompts, rooms, strict=True):
+            final = client.get(f"/rooms/{room}", params={"wait": 20}).json()
+            if final["state"] == "FAILED":
+                assert final["reason"], final
+            else:
+                assert final["output_ids"] == generate(model, encode_text(prompt), 200), final
+        decode.start()  # what Docker's restart policy, systemd or Kubernetes does
+        decode.wait_healthy()
+        again = {n["node_id"]: n for n in client.get("/nodes").json()}[decode.name]
+        assert [r["session_id"] for r in again["ranks"]] != [r["session_id"] for r in first["ranks"]]
+        final = client.post(
+            "/rooms", json={"prompt": "back again", "max_new_tokens": 6}, params={"wait": 30}
+        ).json()
+        assert final["state"] == "SUCCESS" and final["decode"]["node_id"] == decode.name
+        assert final["output_ids"] == generate(model, encode_text("back again"), 6)

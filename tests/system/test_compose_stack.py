@@ -8,6 +8,7 @@ Where no Docker engine can run images, the module is skipped with the reason.
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import uuid
 from collections.abc import Iterator
@@ -19,6 +20,7 @@ import pytest
 
 from launcher.local_stack import free_port
 from tests.support.docker_host import NoDocker, checkout_copy, cpu_build_inputs, docker, engine, wait_healthy
+from tests.support.waiting import until
 
 SERVICES = ("bootstrap", "prefill", "decode")
 # The first test waits for the fixture: a fresh host builds the base image and the CPU image.
@@ -52,6 +54,7 @@ def stack_env(project: str, build_env: dict[str, str]) -> dict[str, str]:
         "KVROOM_JOIN_TOKEN": uuid.uuid4().hex,
         "KVROOM_IMAGE": f"{project}:cpu",
         "KVROOM_BIND_HOST": "127.0.0.1",
+        "KVROOM_DECODE_TP_SIZE": "2",  # a rank process to kill, in the last test
         "KVROOM_BOOTSTRAP_URL": f"http://127.0.0.1:{ports['KVROOM_BOOTSTRAP_HTTP_PORT']}",
         "DOCKER_BUILDKIT": "0",  # the classic builder: BuildKit's frontend may need a registry
     }
@@ -130,3 +133,28 @@ def test_the_openai_route_completes(stack):
         resp = client.post("/v1/completions", json={"model": "reference", "prompt": "hello", "max_tokens": 4})
         assert resp.status_code == 200, resp.text
         assert resp.json()["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+def rank_processes(stack: Stack, service: str) -> list[int]:
+    """Host pids of the service's rank processes past rank 0 (multiprocessing's spawned children)."""
+    container = stack.run("ps", "-q", service).stdout.strip()
+    top = docker("top", container, "-eo", "pid,args").stdout.splitlines()[1:]
+    return [int(line.split(None, 1)[0]) for line in top if "spawn_main" in line]
+
+
+def test_a_decode_that_loses_a_rank_is_restarted_by_its_restart_policy(stack):
+    """Last: it restarts a container. The node exits 1 on its rank's death; Docker starts it again."""
+    container = stack.run("ps", "-q", "decode").stdout.strip()
+    restarts = int(docker("inspect", "-f", "{{.RestartCount}}", container).stdout)
+    (rank1,) = rank_processes(stack, "decode")
+    os.kill(rank1, signal.SIGKILL)
+    until(
+        lambda: int(docker("inspect", "-f", "{{.RestartCount}}", container).stdout) > restarts,
+        60,
+        "the decode container restarted",
+    )
+    wait_healthy(stack.compose, {"decode"}, timeout=240, env=stack.env)
+    with stack.client() as client:
+        until(lambda: any(n["role"] == "decode" for n in client.get("/nodes").json()), 60, "it joined again")
+        room = client.post("/rooms", json={"prompt": "back", "max_new_tokens": 4}, params={"wait": 60}).json()
+        assert room["state"] == "SUCCESS", json.dumps(room)
