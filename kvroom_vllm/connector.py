@@ -64,6 +64,12 @@ class KvroomConnector(KVConnectorBase_V1):
         transfer_config = self._kv_transfer_config
         if transfer_config.kv_role not in ("kv_producer", "kv_consumer"):
             raise ValueError("KvroomConnector: kv_role is kv_producer (prefill) or kv_consumer (decode)")
+        policy = getattr(transfer_config, "kv_load_failure_policy", "fail")
+        if policy != "fail":
+            raise ValueError(
+                f'KvroomConnector: kv_load_failure_policy must be "fail", not {policy!r}: with it, a load '
+                "that did not pass kvroom's gate would be computed over, and no KV counts before it landed"
+            )
         side = "prefill" if transfer_config.kv_role == "kv_producer" else "decode"
         settings = settings_from(dict(transfer_config.kv_connector_extra_config or {}))
         self._scheduler: SchedulerHalf | None = None

@@ -22,6 +22,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 import zmq
@@ -63,10 +64,19 @@ class Loading:
     checking: set[int] = field(default_factory=set)  # writers whose KV is being digested
     failed: str | None = None
     timer: asyncio.TimerHandle | None = None
+    settled: bool = False  # its slot freed and vLLM told: once
 
     def fenced(self) -> bool:
         """Whether a write of this load may still land."""
         return any(p not in self.landed and p not in self.released for p in self.writers)
+
+
+class WriteNotStarted(Exception):
+    """A write that was not started, for ``reason``: nothing of it moved."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
 
 
 @dataclass
@@ -297,8 +307,9 @@ class WorkerHalf:
         self._settle_load(loading)
 
     def _settle_load(self, loading: Loading) -> None:
-        if loading.failed is None or loading.fenced():
+        if loading.failed is None or loading.fenced() or loading.settled:
             return
+        loading.settled = True
         if loading.timer is not None:
             loading.timer.cancel()
         self._loads.pop(loading.load.room.transfer, None)
@@ -417,7 +428,8 @@ class WorkerHalf:
             return
         sending.requests[request.decode_rank] = request
         sending.writing.add(request.decode_rank)
-        self._loop.create_task(self._write(sending, request))
+        start_by = time.monotonic() + self.settings.transfer_timeout_s
+        self._loop.create_task(self._write(sending, request, start_by))
 
     def _check_request(self, sending: Sending, req: protocol.TransferRequest, sender: str | None) -> None:
         assert self.kv is not None
@@ -434,6 +446,8 @@ class WorkerHalf:
             raise reject(f"this rank writes nothing into decode rank {req.decode_rank}", "bad_rank")
         if req.decode_rank in sending.requests or req.decode_rank in sending.ended:
             raise reject("duplicate", "duplicate")
+        if req.decode_rank in sending.revoked:  # revoked before it could be taken: nothing is written
+            raise reject("its room was revoked", "finished")
         want = peers[req.decode_rank].kv_head_count * self.kv.head_bytes
         if req.page_bytes != want:
             raise reject(
@@ -448,7 +462,7 @@ class WorkerHalf:
         if len(set(req.page_indices)) != len(req.page_indices):
             raise reject("repeated block", "out_of_range")
 
-    async def _write(self, sending: Sending, request: protocol.TransferRequest) -> None:
+    async def _write(self, sending: Sending, request: protocol.TransferRequest, start_by: float) -> None:
         assert self.kv is not None and self.engine is not None
         send, decode_rank = sending.send, request.decode_rank
         peer = send.room.peers[decode_rank]
@@ -470,13 +484,16 @@ class WorkerHalf:
         digests = None
         try:
             written = await self._loop.run_in_executor(
-                self._writes, self.engine.write, peer.session_id, writes, self.settings.transfer_timeout_s
+                self._writes, self._write_if_open, sending, decode_rank, start_by, peer.session_id, writes
             )
             if self._bytes is not None:
                 heads = sending.targets[decode_rank]
                 digests = await self._loop.run_in_executor(
                     self._writes, block_digests, self.kv, self._bytes, sources, heads
                 )
+        except WriteNotStarted as exc:
+            log.warning("transfer=%d write not started: %s", send.room.transfer, exc)
+            outcome = exc.reason
         except WriteUnresolved as exc:
             # Some writes may still be moving: the blocks stay read until the lease runs out.
             log.warning("transfer=%d writes unresolved: %s", send.room.transfer, exc)
@@ -508,6 +525,20 @@ class WorkerHalf:
         else:
             self._released(sending, decode_rank, outcome or "revoked")
         self._settle_send(sending)
+
+    def _write_if_open(
+        self, sending: Sending, decode_rank: int, start_by: float, session: str, writes: list[Any]
+    ) -> int:
+        """On a write thread, at the instant the engine is called: a write whose lease was revoked, or
+        whose start deadline passed while it queued, is not started (the decode may have reused the
+        blocks by then)."""
+        assert self.engine is not None
+        with self._lock:
+            if decode_rank in sending.revoked:
+                raise WriteNotStarted("revoked")
+        if time.monotonic() > start_by:
+            raise WriteNotStarted(FailureReason.TRANSFER_TIMEOUT)
+        return int(self.engine.write(session, writes, self.settings.transfer_timeout_s))
 
     def send_done_aux(self, peer: protocol.PeerRank, done: protocol.DoneAux, record: bytes) -> None:
         """The one place done+aux leaves a prefill rank, after every write of it completed."""
@@ -608,12 +639,12 @@ class WorkerHalf:
         self._revoke(sending, sender)
         self._settle_send(sending)
 
-    @staticmethod
-    def _revoke(sending: Sending, sender: str | None) -> None:
+    def _revoke(self, sending: Sending, sender: str | None) -> None:
         """The decode ranks whose key ``sender`` is take their blocks back (all, with security off)."""
-        for peer in sending.send.room.peers:
-            if sender is None or sender == peer.public_key:
-                sending.revoked.add(peer.rank)
+        with self._lock:  # a write thread checks it as it starts a write
+            for peer in sending.send.room.peers:
+                if sender is None or sender == peer.public_key:
+                    sending.revoked.add(peer.rank)
 
     def _on_released(self, msg: protocol.RoomReleased, sender: str | None) -> None:
         loading = self._loads.get(msg.transfer)

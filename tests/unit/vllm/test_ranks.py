@@ -244,3 +244,59 @@ def test_a_rank_started_from_a_thread_bound_to_one_core_runs_its_threads_on_ever
             rank.close()
     finally:
         os.sched_setaffinity(0, every)
+
+
+def test_a_request_that_came_early_is_not_written_once_its_room_was_revoked():
+    directory: dict = {}
+    prefill, decode = Rank("prefill", directory, transfer_timeout_s=30.0), Rank("decode", directory)
+    try:
+        decode.half.take_plan(StepPlan(loads=[Load("d-1", room("decode", prefill.peer), [2, 9, 11], PROMPT)]))
+        until(lambda: TRANSFER in prefill.half._early)  # the prompt is not computed yet
+        decode.half.take_plan(StepPlan(revoked=[room("decode", prefill.peer)]))
+        until(lambda: TRANSFER in prefill.half._revoked)
+        send = Send("p-1", room("prefill", decode.peer), [5, 6, 7], PROMPT, first_token=42)
+        prefill.half.take_plan(StepPlan(sends=[send]))
+        until(lambda: "p-1" in prefill.poll().sending, timeout=3)
+        assert not prefill.half.engine.writes  # type: ignore[attr-defined]
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_a_write_that_waited_past_its_start_deadline_is_not_started():
+    directory: dict = {}
+    prefill = Rank("prefill", directory, transfer_timeout_s=0.3)
+    decode = Rank("decode", directory, transfer_timeout_s=30.0, lease_timeout_s=30.0)
+    busy = threading.Event()
+    try:
+        # Every write thread is taken (writes ahead of this one, hung on a partitioned peer).
+        blockers = [prefill.half._writes.submit(busy.wait) for _ in range(8)]
+        start(prefill, decode)
+        until(lambda: prefill.half._sends.get(TRANSFER) and prefill.half._sends[TRANSFER].writing)
+        threading.Event().wait(0.5)  # past the write's start deadline while it queues
+        busy.set()
+        for blocker in blockers:
+            blocker.result(5)
+        until(lambda: "p-1" in prefill.poll().sending and "d-1" in decode.poll().recving, timeout=5)
+        assert not prefill.half.engine.writes  # type: ignore[attr-defined]
+        assert set(decode.failed) == {"d-1"} and decode.invalid == {2, 9, 11}
+        assert decode.whole.abs().sum() == 0
+    finally:
+        busy.set()
+        prefill.close()
+        decode.close()
+
+
+def test_the_connector_refuses_a_load_failure_policy_that_would_compute_over_a_failed_load():
+    from types import SimpleNamespace
+
+    from vllm.config.kv_transfer import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvroom_vllm.connector import KvroomConnector
+
+    config = KVTransferConfig(
+        kv_connector="KvroomConnector", kv_role="kv_consumer", kv_load_failure_policy="recompute"
+    )
+    with pytest.raises(ValueError, match='kv_load_failure_policy must be "fail"'):
+        KvroomConnector(SimpleNamespace(kv_transfer_config=config), KVConnectorRole.SCHEDULER)
