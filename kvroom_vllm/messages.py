@@ -73,6 +73,9 @@ class StepPlan(KVConnectorMetadata):
     # Rooms this server will never load (their requests ended before their blocks were taken):
     # the prefill ranks may give their blocks back now.
     revoked: list[RoomParams] = field(default_factory=list)
+    # Prefill rooms whose requests ended before their KV was sent (aborted while waiting or
+    # computing): their decode ranks hear at once that nothing will be written.
+    unsent: list[RoomParams] = field(default_factory=list)
 
 
 @dataclass

@@ -204,6 +204,7 @@ class SchedulerHalf:
                 del self._requests[request.request_id]
             return False
         if request.status not in PROMPT_COMPUTED or not block_ids or not request.output_token_ids:
+            self._plan.unsent.append(room)
             return False
         self._requests[request.request_id] = Tracked(room)
         first = request.output_token_ids[0]

@@ -200,7 +200,7 @@ class WorkerHalf:
         return RankHandshake(msgspec.to_builtins(peer), self.kv.num_blocks)
 
     def take_plan(self, plan: StepPlan) -> None:
-        if plan.loads or plan.sends or plan.stopped_loads or plan.revoked:
+        if plan.loads or plan.sends or plan.stopped_loads or plan.revoked or plan.unsent:
             self._loop.call_soon_threadsafe(self._take_plan, plan)
 
     def results(self) -> tuple[set[str], set[str], set[int], WorkerReport]:
@@ -250,6 +250,8 @@ class WorkerHalf:
                 self._fail_load(loading, FailureReason.ABORTED)
         for room in plan.revoked:
             self._revoke_all(room, FailureReason.ABORTED)
+        for room in plan.unsent:
+            self._unsent(room)
 
     def _start_load(self, load: Load) -> None:
         assert self.kv is not None
@@ -369,11 +371,27 @@ class WorkerHalf:
             if sending.timer is not None:
                 sending.timer.cancel()
             self._sends.pop(sending.send.room.transfer, None)
-            self._ended_sends[sending.send.room.transfer] = sending.send.room
-            while len(self._ended_sends) > MAX_EARLY_REQUESTS:
-                self._ended_sends.popitem(last=False)
+            self._ended(sending.send.room)
             with self._lock:
                 self._finished_sending.add(sending.send.req_id)
+
+    def _ended(self, room: RoomParams) -> None:
+        """Nothing more of the room is written: a request or revoke for it is answered so at once."""
+        self._ended_sends[room.transfer] = room
+        while len(self._ended_sends) > MAX_EARLY_REQUESTS:
+            self._ended_sends.popitem(last=False)
+
+    def _unsent(self, room: RoomParams) -> None:
+        """The prefill request ended before its KV was sent: its decode ranks may have their blocks
+        back now, not at their lease's end."""
+        if room.transfer in self._sends or room.transfer in self._ended_sends:
+            return
+        self._early.pop(room.transfer, None)
+        self._revoked.pop(room.transfer, None)
+        self._ended(room)
+        for peer in room.peers:
+            released = protocol.RoomReleased(room.transfer, peer.rank, self.rank, FailureReason.ABORTED)
+            self.push.send(peer.zmq_endpoint, peer.public_key, protocol.encode(released))
 
     def _released(self, sending: Sending, decode_rank: int, reason: str) -> None:
         peer = sending.send.room.peers[decode_rank]
@@ -407,6 +425,14 @@ class WorkerHalf:
         if request.rank != self.rank:
             raise RejectedMessage(f"for rank {request.rank}", room=request.transfer, kind="bad_rank")
         sending = self._sends.get(request.transfer)
+        ended = self._ended_sends.get(request.transfer)
+        if sending is None and ended is not None:  # too late: nothing of it will be written
+            if request.decode_rank < len(ended.peers):
+                peer = ended.peers[request.decode_rank]
+                RankService.check_sender(sender, peer, request.transfer)
+                released = protocol.RoomReleased(request.transfer, peer.rank, self.rank, "revoked")
+                self.push.send(peer.zmq_endpoint, peer.public_key, protocol.encode(released))
+            return
         if sending is None:
             early = self._early.setdefault(request.transfer, [])
             if len(self._early) > MAX_EARLY_REQUESTS or len(early) >= protocol.MAX_RANKS:

@@ -300,3 +300,23 @@ def test_the_connector_refuses_a_load_failure_policy_that_would_compute_over_a_f
     )
     with pytest.raises(ValueError, match='kv_load_failure_policy must be "fail"'):
         KvroomConnector(SimpleNamespace(kv_transfer_config=config), KVConnectorRole.SCHEDULER)
+
+
+def test_a_prefill_request_that_ended_unsent_gives_its_decode_its_blocks_back_at_once():
+    directory: dict = {}
+    prefill = Rank("prefill", directory, transfer_timeout_s=30.0)
+    decode = Rank("decode", directory, transfer_timeout_s=30.0, lease_timeout_s=30.0)
+    try:
+        decode.half.take_plan(StepPlan(loads=[Load("d-1", room("decode", prefill.peer), [2, 9, 11], PROMPT)]))
+        until(lambda: TRANSFER in prefill.half._early)  # asked for, the prompt not computed yet
+        prefill.half.take_plan(StepPlan(unsent=[room("prefill", decode.peer)]))  # the client left
+        until(lambda: "d-1" in decode.poll().recving, timeout=1)
+        assert set(decode.failed) == {"d-1"} and decode.invalid == {2, 9, 11}
+        assert TRANSFER not in prefill.half._early and not prefill.half.engine.writes  # type: ignore[attr-defined]
+        # A request that comes after is answered at once as well.
+        decode.half.take_plan(StepPlan(loads=[Load("d-2", room("decode", prefill.peer), [4, 5, 6], PROMPT)]))
+        until(lambda: "d-2" in decode.poll().recving, timeout=1)
+        assert "d-2" in decode.failed
+    finally:
+        prefill.close()
+        decode.close()

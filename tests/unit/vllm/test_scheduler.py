@@ -144,7 +144,9 @@ def test_a_prefill_keeps_a_computed_prompts_blocks_until_its_workers_sent_them(h
     assert half.matched_tokens(done, 0) == (0, False)  # a prefill loads nothing
     assert half.finished(done, [3, 4, 5]) is True
     assert half.finished(aborted, [6]) is False
-    (send,) = half.step_plan().sends
+    plan = half.step_plan()
+    (send,) = plan.sends
     assert (send.req_id, send.blocks, send.prompt_len, send.first_token) == ("p1", [3, 4, 5], 300, 99)
+    assert [r.transfer for r in plan.unsent] == [42]  # its decode hears at once: nothing comes
     half.took_output(output(sending={"p1"}))
     assert half._requests == {}
