@@ -76,6 +76,9 @@ class StepPlan(KVConnectorMetadata):
     # Prefill rooms whose requests ended before their KV was sent (aborted while waiting or
     # computing): their decode ranks hear at once that nothing will be written.
     unsent: list[RoomParams] = field(default_factory=list)
+    # Prefill rooms just scheduled, before their prompt is computed: a revoke for one is answered
+    # at once, from the peers it names.
+    scheduled: list[RoomParams] = field(default_factory=list)
 
 
 @dataclass

@@ -177,6 +177,8 @@ class SchedulerHalf:
 
     def allocated(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
         room = self._params(request)
+        if room is not None and self.role == "prefill":
+            self._plan.scheduled.append(room)
         if room is None or num_external_tokens <= 0 or request.request_id in self._requests:
             return
         self._requests[request.request_id] = Tracked(room, loading=True)

@@ -119,6 +119,8 @@ class WorkerHalf:
         self._early: dict[protocol.TransferId, list[tuple[protocol.TransferRequest, str | None]]] = {}
         # Revoked before their send came, with the revoker's key (checked once the room's peers are known).
         self._revoked: dict[protocol.TransferId, str | None] = {}
+        # Prefill rooms scheduled whose send has not come: whom a revoke before it is answered.
+        self._scheduled: collections.OrderedDict[protocol.TransferId, RoomParams] = collections.OrderedDict()
         # Sends that ended, to answer a late revocation of one (bounded).
         self._ended_sends: collections.OrderedDict[protocol.TransferId, RoomParams] = (
             collections.OrderedDict()
@@ -200,7 +202,7 @@ class WorkerHalf:
         return RankHandshake(msgspec.to_builtins(peer), self.kv.num_blocks)
 
     def take_plan(self, plan: StepPlan) -> None:
-        if plan.loads or plan.sends or plan.stopped_loads or plan.revoked or plan.unsent:
+        if any((plan.loads, plan.sends, plan.stopped_loads, plan.revoked, plan.unsent, plan.scheduled)):
             self._loop.call_soon_threadsafe(self._take_plan, plan)
 
     def results(self) -> tuple[set[str], set[str], set[int], WorkerReport]:
@@ -240,6 +242,10 @@ class WorkerHalf:
     # -- the rank's loop: the plan ----------------------------------------------------
 
     def _take_plan(self, plan: StepPlan) -> None:
+        for room in plan.scheduled:
+            self._scheduled[room.transfer] = room
+            while len(self._scheduled) > MAX_EARLY_REQUESTS:
+                self._scheduled.popitem(last=False)
         for load in plan.loads:
             self._start_load(load)
         for send in plan.sends:
@@ -341,6 +347,7 @@ class WorkerHalf:
                 targets[peer.rank] = heads[self.rank]
         sending = Sending(send, targets)
         self._sends[transfer] = sending
+        self._scheduled.pop(transfer, None)
         if transfer in self._revoked:
             self._revoke(sending, self._revoked.pop(transfer))
         sending.timer = self._loop.call_later(self.settings.transfer_timeout_s, self._give_up_send, sending)
@@ -388,6 +395,7 @@ class WorkerHalf:
             return
         self._early.pop(room.transfer, None)
         self._revoked.pop(room.transfer, None)
+        self._scheduled.pop(room.transfer, None)
         self._ended(room)
         for peer in room.peers:
             released = protocol.RoomReleased(room.transfer, peer.rank, self.rank, FailureReason.ABORTED)
@@ -658,7 +666,13 @@ class WorkerHalf:
                     self.push.send(peer.zmq_endpoint, peer.public_key, protocol.encode(released))
             return
         if sending is None:
-            # Its prompt is still being computed (or long gone): remembered while it may come.
+            # Its prompt is still being computed (or long gone): remembered while it may come, and
+            # answered now if the room is known here, since nothing of it will be written.
+            scheduled = self._scheduled.get(msg.transfer)
+            for peer in scheduled.peers if scheduled is not None else ():
+                if sender is None or sender == peer.public_key:
+                    released = protocol.RoomReleased(msg.transfer, peer.rank, self.rank, "revoked")
+                    self.push.send(peer.zmq_endpoint, peer.public_key, protocol.encode(released))
             self._revoked[msg.transfer] = sender
             self._loop.call_later(self.settings.transfer_timeout_s, self._revoked.pop, msg.transfer, None)
             return

@@ -320,3 +320,22 @@ def test_a_prefill_request_that_ended_unsent_gives_its_decode_its_blocks_back_at
     finally:
         prefill.close()
         decode.close()
+
+
+def test_a_revoke_for_a_room_scheduled_but_not_sent_is_answered_at_once_and_nothing_is_written():
+    directory: dict = {}
+    prefill = Rank("prefill", directory, transfer_timeout_s=30.0)
+    decode = Rank("decode", directory, transfer_timeout_s=30.0, lease_timeout_s=30.0)
+    try:
+        prefill.half.take_plan(StepPlan(scheduled=[room("prefill", decode.peer)]))  # computing
+        decode.half.take_plan(StepPlan(loads=[Load("d-1", room("decode", prefill.peer), [2, 9, 11], PROMPT)]))
+        until(lambda: TRANSFER in prefill.half._early)
+        decode.half.take_plan(StepPlan(stopped_loads=["d-1"]))  # the decode's client left
+        until(lambda: "d-1" in decode.poll().recving, timeout=1)  # not at the 30 s lease
+        send = Send("p-1", room("prefill", decode.peer), [5, 6, 7], PROMPT, first_token=42)
+        prefill.half.take_plan(StepPlan(sends=[send]))  # the prompt is computed after all
+        until(lambda: "p-1" in prefill.poll().sending, timeout=3)
+        assert not prefill.half.engine.writes  # type: ignore[attr-defined]
+    finally:
+        prefill.close()
+        decode.close()

@@ -142,6 +142,8 @@ def test_a_prefill_keeps_a_computed_prompts_blocks_until_its_workers_sent_them(h
     done.output_token_ids = [99]
     aborted = request("p2", params(42, "prefill"), status=RequestStatus.FINISHED_ABORTED)
     assert half.matched_tokens(done, 0) == (0, False)  # a prefill loads nothing
+    half.allocated(done, [3, 4, 5], 0)
+    assert [r.transfer for r in half.step_plan().scheduled] == [41]  # a revoke can be answered now
     assert half.finished(done, [3, 4, 5]) is True
     assert half.finished(aborted, [6]) is False
     plan = half.step_plan()
