@@ -220,7 +220,8 @@ class SchedulerHalf:
         """What the workers finished this step (vLLM's KVConnectorOutput, summed over workers)."""
         report = output.kv_connector_worker_meta
         if isinstance(report, WorkerReport):
-            self._failures.update(report.failed)
+            for req_id, reason in report.failed.items():
+                self._failures.setdefault(req_id, reason)  # the first reason stands (a TP worker's)
             for req_id in report.transferring:
                 tracked = self._requests.get(req_id)
                 if tracked is not None:

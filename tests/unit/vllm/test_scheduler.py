@@ -117,6 +117,7 @@ def test_a_decode_room_that_failed_on_one_worker_is_failed_with_its_reason(half)
     room = request("r1", params(21, "decode"))
     half.allocated(room, [1], 300)
     half.took_output(output(failed={"r1": "aux_timeout"}))  # one worker; the others not yet
+    half.took_output(output(failed={"r1": "aborted"}))  # a later worker's, once its load was stopped
     half.took_output(output(recving={"r1"}))  # vLLM's sum: every worker finished the load
     until(lambda: state(half, 21) is RoomState.FAILED)
     assert half.rooms.find(protocol.TransferId(21)).reason == "aux_timeout"
