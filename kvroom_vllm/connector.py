@@ -183,7 +183,7 @@ class KvroomConnector(KVConnectorBase_V1):
 
     def build_connector_worker_meta(self) -> WorkerReport | None:
         report, self._report = self._report, WorkerReport()
-        return report if report.failed or report.transferring else None
+        return report if report.failed or report.transferring or report.ready else None
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         return self._worker.take_stats() if self._worker is not None else None

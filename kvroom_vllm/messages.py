@@ -15,6 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from shared.room.states import FailureReason
 from shared.wire import protocol
 
 
@@ -83,14 +84,22 @@ class StepPlan(KVConnectorMetadata):
 
 @dataclass
 class WorkerReport(KVConnectorWorkerMetadata):
-    """Workers -> scheduler, once per engine step: why loads failed, and loads whose writes began."""
+    """Workers -> scheduler, once per engine step: why loads failed, loads whose writes began, and
+    the digest of the aux record each worker's load was ready with (all workers must agree)."""
 
     failed: dict[str, str] = field(default_factory=dict)  # request -> reason
     transferring: set[str] = field(default_factory=set)
+    ready: dict[str, int] = field(default_factory=dict)  # request -> its aux record's digest
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> "WorkerReport":
+        """This worker's report with a later one's: the first reason stands; two workers ready with
+        different records fail the load ``aux_mismatch``."""
         assert isinstance(other, WorkerReport)
-        return WorkerReport({**other.failed, **self.failed}, self.transferring | other.transferring)
+        failed = {**other.failed, **self.failed}
+        for req_id in self.ready.keys() & other.ready.keys():
+            if self.ready[req_id] != other.ready[req_id]:
+                failed.setdefault(req_id, FailureReason.AUX_MISMATCH)
+        return WorkerReport(failed, self.transferring | other.transferring, {**other.ready, **self.ready})
 
 
 @dataclass

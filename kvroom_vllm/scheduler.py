@@ -58,6 +58,7 @@ class SchedulerHalf:
         self._requests: dict[str, Tracked] = {}
         self._plan = StepPlan()
         self._failures: dict[str, str] = {}  # decode loads that failed on some worker, until all finished
+        self._ready: dict[str, int] = {}  # decode loads: the aux record digest the first worker had
         self._free_blocks = lambda: 0
         self.security = security_for(settings.zmq_security, settings.curve_key_file)
         self.rooms = RoomTable()
@@ -220,8 +221,11 @@ class SchedulerHalf:
         """What the workers finished this step (vLLM's KVConnectorOutput, summed over workers)."""
         report = output.kv_connector_worker_meta
         if isinstance(report, WorkerReport):
-            for req_id, reason in report.failed.items():
-                self._failures.setdefault(req_id, reason)  # the first reason stands (a TP worker's)
+            for req_id, why in report.failed.items():
+                self._failures.setdefault(req_id, why)  # the first reason stands (a TP worker's)
+            for req_id, digest in report.ready.items():  # every worker ready with the same record
+                if self._ready.setdefault(req_id, digest) != digest:
+                    self._failures.setdefault(req_id, FailureReason.AUX_MISMATCH)
             for req_id in report.transferring:
                 tracked = self._requests.get(req_id)
                 if tracked is not None:
@@ -234,6 +238,7 @@ class SchedulerHalf:
             if tracked.ended:
                 del self._requests[req_id]
             reason = self._failures.pop(req_id, None)
+            self._ready.pop(req_id, None)
             if reason is None and req_id in (output.failed_recving or ()):
                 reason = FailureReason.TRANSFER_FAILED
             self._on_loop(self._advance, tracked.room.transfer, RoomState.SUCCESS, reason)

@@ -33,7 +33,7 @@ from kvroom_vllm.paged_kv import PagedKV, block_digests, host_bytes, plan_layers
 from kvroom_vllm.settings import VllmNodeSettings
 from kvroom_vllm.stats import WriteStats
 from shared.errors import PoolExhausted, RejectedMessage, TransferError
-from shared.kv.aux_buffers import Aux, AuxBuffers
+from shared.kv.aux_buffers import Aux, AuxBuffers, record_digest
 from shared.kv.digest import INLINE_BYTES
 from shared.kv.head_split import HeadRange, kv_heads, writers
 from shared.kv.layout import total_bytes
@@ -130,6 +130,7 @@ class WorkerHalf:
         self._finished_sending: set[str] = set()
         self._finished_recving: set[str] = set()
         self._failed: dict[str, str] = {}
+        self._ready: dict[str, int] = {}  # request -> the digest of the record its load was ready with
         self._invalid_blocks: set[int] = set()
         self._transferring: set[str] = set()
         self._stats = WriteStats()
@@ -214,9 +215,10 @@ class WorkerHalf:
             sending, self._finished_sending = self._finished_sending, set()
             recving, self._finished_recving = self._finished_recving, set()
             failed, self._failed = self._failed, {}
+            ready, self._ready = self._ready, {}
             invalid, self._invalid_blocks = self._invalid_blocks, set()
             transferring, self._transferring = self._transferring, set()
-        return sending, recving, invalid, WorkerReport(failed, transferring)
+        return sending, recving, invalid, WorkerReport(failed, transferring, ready)
 
     def take_stats(self) -> WriteStats | None:
         """What this rank wrote since the last call, for vLLM's stat loggers (None: nothing)."""
@@ -324,9 +326,11 @@ class WorkerHalf:
         self.aux.free(loading.slot)
         self._finish_load(loading.load, loading.failed)
 
-    def _finish_load(self, load: Load, failed: str | None) -> None:
+    def _finish_load(self, load: Load, failed: str | None, digest: int | None = None) -> None:
         with self._lock:
             self._finished_recving.add(load.req_id)
+            if digest is not None:
+                self._ready[load.req_id] = digest
             if failed is not None:
                 self._failed[load.req_id] = failed
                 self._invalid_blocks.update(load.blocks)
@@ -636,7 +640,7 @@ class WorkerHalf:
                 loading.timer.cancel()
             self._loads.pop(load.room.transfer, None)
             self.aux.free(loading.slot)
-            self._finish_load(load, None)
+            self._finish_load(load, None, record_digest(verdict.record))
 
     def _digest_bytes(self, loading: Loading, msg: protocol.DoneAux) -> int:
         assert self.kv is not None

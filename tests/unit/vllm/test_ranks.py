@@ -51,6 +51,7 @@ class Rank:
         self.recving: set[str] = set()
         self.invalid: set[int] = set()
         self.failed: dict[str, str] = {}
+        self.ready: dict[str, int] = {}
 
     def poll(self) -> "Rank":
         sending, recving, invalid, report = self.half.results()
@@ -58,6 +59,7 @@ class Rank:
         self.recving |= recving
         self.invalid |= invalid
         self.failed |= report.failed
+        self.ready |= report.ready
         return self
 
     def close(self) -> None:
@@ -94,6 +96,7 @@ def test_a_prompt_moves_block_by_block_layer_by_layer_and_both_finish():
         start(prefill, decode)
         until(lambda: "d-1" in decode.poll().recving and "p-1" in prefill.poll().sending)
         assert decode.failed == {} and decode.invalid == set()
+        assert set(decode.ready) == {"d-1"}  # with its record's digest, for the workers to agree on
         assert torch.equal(decode.whole[:, [2, 9, 11]], prefill.whole[:, [5, 6, 7]])
         assert decode.whole[:, [0, 1, 3]].abs().sum() == 0  # nothing else was written
         # vLLM's stat loggers hear of it: no two of blocks 2, 9, 11 are adjacent, so one write a

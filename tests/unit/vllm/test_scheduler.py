@@ -57,8 +57,8 @@ def request(
     )
 
 
-def output(recving=(), sending=(), failed=None) -> SimpleNamespace:
-    report = WorkerReport(failed or {}) if failed else None
+def output(recving=(), sending=(), failed=None, ready=None) -> SimpleNamespace:
+    report = WorkerReport(failed or {}, ready=ready or {}) if failed or ready else None
     return SimpleNamespace(
         finished_recving=set(recving),
         finished_sending=set(sending),
@@ -153,3 +153,30 @@ def test_a_prefill_keeps_a_computed_prompts_blocks_until_its_workers_sent_them(h
     assert [r.transfer for r in plan.unsent] == [42]  # its decode hears at once: nothing comes
     half.took_output(output(sending={"p1"}))
     assert half._requests == {}
+
+
+@pytest.mark.parametrize("half", ["decode"], indirect=True)
+@pytest.mark.parametrize("same_step", [True, False], ids=["one-step", "two-steps"])
+def test_workers_ready_with_different_records_fail_the_load_aux_mismatch(half, same_step):
+    room = request("r1", params(23, "decode"))
+    half.allocated(room, [1], 300)
+    first, second = WorkerReport(ready={"r1": 0xAAAA}), WorkerReport(ready={"r1": 0xBBBB})
+    if same_step:  # vLLM folds the workers' reports of one step, the first worker's first
+        half.took_output(
+            SimpleNamespace(
+                **{**vars(output(recving={"r1"})), "kv_connector_worker_meta": first.aggregate(second)}
+            )
+        )
+    else:
+        half.took_output(output(ready=first.ready))
+        half.took_output(output(recving={"r1"}, ready=second.ready))
+    until(lambda: state(half, 23) is RoomState.FAILED)
+    assert half.rooms.find(protocol.TransferId(23)).reason == "aux_mismatch"
+
+
+@pytest.mark.parametrize("half", ["decode"], indirect=True)
+def test_workers_ready_with_one_record_succeed(half):
+    room = request("r1", params(24, "decode"))
+    half.allocated(room, [1], 300)
+    half.took_output(output(recving={"r1"}, ready={"r1": 7}))
+    until(lambda: state(half, 24) is RoomState.SUCCESS)
