@@ -65,6 +65,7 @@ class Loading:
     failed: str | None = None
     timer: asyncio.TimerHandle | None = None
     settled: bool = False  # its slot freed and vLLM told: once
+    asked_at: float = field(default_factory=time.monotonic)  # its transfer requests went out
 
     def fenced(self) -> bool:
         """Whether a write of this load may still land."""
@@ -313,8 +314,16 @@ class WorkerHalf:
                 self.push.send(peer.zmq_endpoint, peer.public_key, protocol.encode(revoke))
         if loading.timer is not None:
             loading.timer.cancel()
-        loading.timer = self._loop.call_later(self.settings.lease_timeout_s, self._timed_out, loading)
+        loading.timer = self._loop.call_later(self._fenced_for(loading), self._timed_out, loading)
         self._settle_load(loading)
+
+    def _fenced_for(self, loading: Loading) -> float:
+        """Seconds from now until no write of a failed load can land unless its writers say so
+        sooner (docs/design.md, "The fence inside vLLM"): a prefill rank starts a write only within
+        transfer_timeout_s of the request reaching it, and the write ends within transfer_timeout_s;
+        the lease covers the rest, the request's transit included."""
+        s = self.settings
+        return s.lease_timeout_s + max(0.0, loading.asked_at + s.transfer_timeout_s - time.monotonic())
 
     def _settle_load(self, loading: Loading) -> None:
         if loading.failed is None or loading.fenced() or loading.settled:

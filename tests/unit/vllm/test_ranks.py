@@ -5,6 +5,7 @@ engine and real vLLM servers are in tests/integration/test_vllm.py)."""
 import ctypes
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -339,6 +340,24 @@ def test_a_revoke_for_a_room_scheduled_but_not_sent_is_answered_at_once_and_noth
         prefill.half.take_plan(StepPlan(sends=[send]))  # the prompt is computed after all
         until(lambda: "p-1" in prefill.poll().sending, timeout=3)
         assert not prefill.half.engine.writes  # type: ignore[attr-defined]
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_a_failed_loads_blocks_stay_fenced_until_the_latest_moment_a_silent_writer_could_write():
+    """Asked at t0, failed at once, its writer silent: the blocks are vLLM's again at t0 + T + L,
+    not at failure + L (the writer may start until T after the request reached it)."""
+    directory: dict = {}
+    prefill = Rank("prefill", directory, transfer_timeout_s=30.0)  # never sent: it stays silent
+    decode = Rank("decode", directory, transfer_timeout_s=0.6, lease_timeout_s=0.4)
+    try:
+        asked = time.monotonic()
+        decode.half.take_plan(StepPlan(loads=[Load("d-1", room("decode", prefill.peer), [2, 9, 11], PROMPT)]))
+        decode.half.take_plan(StepPlan(stopped_loads=["d-1"]))
+        until(lambda: "d-1" in decode.poll().recving, timeout=5)
+        assert time.monotonic() - asked >= 0.6 + 0.4
+        assert decode.invalid == {2, 9, 11}
     finally:
         prefill.close()
         decode.close()
