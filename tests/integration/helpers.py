@@ -1,3 +1,4 @@
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -32,3 +33,13 @@ def pools_full(*services: Service) -> bool:
         if h["rooms_in_flight"]:
             return False
     return True
+
+
+def late_write_prefill(stack, node_id: str, args: list[str], release: Path) -> Service:
+    """A prefill node (not started) whose first KV write is held until ``release`` exists."""
+    env = {
+        "KVROOM_TEST_HOOK": "late-write",
+        "KVROOM_TEST_ROLE": "prefill",
+        "KVROOM_TEST_RELEASE_FILE": str(release),
+    }
+    return stack.node("prefill", node_id, args, module=HOOKED, env=env)

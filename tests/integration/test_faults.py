@@ -6,7 +6,7 @@ import httpx
 
 from shared.models.reference import encode_text, generate
 from shared.wire import protocol
-from tests.integration.helpers import HOOKED, metric, node_transfer, pools_full
+from tests.integration.helpers import late_write_prefill, metric, node_transfer, pools_full
 from tests.integration.holding_proxy import in_front_of
 from tests.support import until
 from tests.support.stacks import FAST_NODE, NOTICES_AT_ONCE
@@ -162,13 +162,8 @@ def test_a_prefill_stopped_past_its_ttl_loses_its_rooms_but_its_late_writes_land
     stack.bootstrap.start()
     stack.bootstrap.wait_healthy(registered=False)
     release = tmp_path / "release-the-write"
-    env = {
-        "KVROOM_TEST_HOOK": "late-write",
-        "KVROOM_TEST_ROLE": "prefill",
-        "KVROOM_TEST_RELEASE_FILE": str(release),
-    }
     held = [*FAST_NODE, *NOTICES_AT_ONCE, "--write-timeout-s", "60"]
-    stopped = stack.node("prefill", "prefill-0", held, module=HOOKED, env=env).start()
+    stopped = late_write_prefill(stack, "prefill-0", held, release).start()
     decode = stack.node("decode", "decode-0", [*FAST_NODE, "--lease-timeout-s", "60"]).start()
     stopped.wait_healthy()
     decode.wait_healthy()

@@ -11,7 +11,7 @@ from launcher.local_stack import Service
 from shared.models.reference import encode_text, generate
 from shared.wire import protocol
 from shared.wire.security import CurveKeys, Security
-from tests.integration.helpers import HOOKED, metric, node_transfer, pools_full
+from tests.integration.helpers import HOOKED, late_write_prefill, metric, node_transfer, pools_full
 from tests.integration.holding_proxy import in_front_of
 from tests.support import until
 from tests.support.stacks import FAST_NODE, NOTICES_AT_ONCE
@@ -122,12 +122,7 @@ def test_a_late_write_lands_only_in_fenced_pages(stack, model, tmp_path):
     stack.bootstrap.start()
     stack.bootstrap.wait_healthy(registered=False)
     release = tmp_path / "release-the-write"
-    env = {
-        "KVROOM_TEST_HOOK": "late-write",
-        "KVROOM_TEST_ROLE": "prefill",
-        "KVROOM_TEST_RELEASE_FILE": str(release),
-    }
-    prefill = stack.node("prefill", "prefill-0", ["--write-timeout-s", "1"], module=HOOKED, env=env).start()
+    prefill = late_write_prefill(stack, "prefill-0", ["--write-timeout-s", "1"], release).start()
     decode = stack.node("decode", "decode-0", ["--lease-timeout-s", "60"]).start()
     prefill.wait_healthy()
     decode.wait_healthy()
