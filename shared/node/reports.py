@@ -15,8 +15,9 @@ from shared.wire.registration import Bootstrap
 # message. Progress, which no one waits on, waits PROGRESS_REPORT_DELAY_S: else it would
 # wake the bootstrap in the middle of most KV writes. A room that reached SUCCESS or
 # FAILED, or finished (what a client waits for), goes at the end of the loop's turn,
-# unless a message went less than REPORT_DELAY_S ago: then once that much has passed. A
-# lone room waits for nothing; under load one message still carries many rooms.
+# unless a message with several rooms went less than REPORT_DELAY_S ago (the node is
+# busy): then once that much has passed, so that under load one message carries many
+# rooms. A lone room waits for nothing, its finish right after its SUCCESS included.
 REPORT_DELAY_S = 0.002
 PROGRESS_REPORT_DELAY_S = 0.05
 TOKEN_DELAY_S = 0.002
@@ -35,6 +36,7 @@ class BootstrapLink:
         self._pending_reports: dict[int, Room] = {}
         self._report_due = float("inf")  # loop time of the next flush; inf when none is set
         self._flushed_at = float("-inf")  # loop time of the last flush
+        self._flushed_rooms = 0  # how many rooms it carried
         self._report_timer: asyncio.Handle | None = None
         self._pending_tokens: list[protocol.TokenChunk] = []
 
@@ -62,7 +64,8 @@ class BootstrapLink:
         self._pending_reports[room.id] = room
         now = self.loop.time()
         if room.finished or room.state.terminal:
-            due = max(now, self._flushed_at + REPORT_DELAY_S)
+            busy = self._flushed_rooms > 1
+            due = max(now, self._flushed_at + REPORT_DELAY_S) if busy else now
         else:
             due = now + PROGRESS_REPORT_DELAY_S
         self._schedule(due)
@@ -92,6 +95,7 @@ class BootstrapLink:
             self._send(endpoint, key, protocol.encode(msg))
         rooms = list(self._pending_reports.values())
         self._pending_reports.clear()
+        self._flushed_rooms = len(rooms)
         for start in range(0, len(rooms), protocol.MAX_REPORTS):
             statuses = [room.status() for room in rooms[start : start + protocol.MAX_REPORTS]]
             self._send(endpoint, key, protocol.encode(protocol.RoomReports(self.node_id, statuses)))

@@ -1,5 +1,5 @@
-"""When a node's room reports leave for the bootstrap: a finished room at the end of the turn,
-at most one such message every REPORT_DELAY_S; a transfer's end soon; progress later."""
+"""When a node's room reports leave for the bootstrap: a finished room at the end of the turn, and
+while the node is busy at most one such message every REPORT_DELAY_S; progress later."""
 
 import asyncio
 
@@ -36,19 +36,31 @@ def finished(room_id: int) -> Room:
     return room
 
 
-def test_a_lone_finished_room_leaves_at_the_end_of_the_turn_and_a_burst_waits():
+def test_a_lone_room_waits_for_nothing_and_after_a_busy_message_the_next_is_held():
     async def main() -> None:
         sent: list[list[bytes]] = []
         m = make(sent)
-        m.report(finished(1))
+        room = Room(1)
+        room.advance_to(RoomState.SUCCESS)
+        m.report(room)
         await asyncio.sleep(0)
         await asyncio.sleep(0)
-        assert reports_of(sent) == [[(1, 4, "completed")]]  # no timer waited for
-        m.report(finished(2))  # right after a message: held until REPORT_DELAY_S has passed
-        assert m._report_due >= m._flushed_at + reports.REPORT_DELAY_S
-        m.report(finished(3))
+        assert len(sent) == 1  # at the end of the turn, no timer waited for
+        room.end("completed")  # its finish, right after its SUCCESS went: not held either
+        m.report(room)
+        assert m._report_due <= m.loop.time()
         await until_async(lambda: len(sent) == 2)
-        assert reports_of(sent)[1] == [(2, 4, "completed"), (3, 4, "completed")]
+        m.report(finished(2))
+        m.report(finished(3))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert len(sent) == 3
+        assert reports_of(sent)[2] == [(2, 4, "completed"), (3, 4, "completed")]
+        m.report(finished(4))  # right after a message of several rooms: held REPORT_DELAY_S
+        assert m._report_due >= m._flushed_at + reports.REPORT_DELAY_S
+        m.report(finished(5))
+        await until_async(lambda: len(sent) == 4)
+        assert reports_of(sent)[3] == [(4, 4, "completed"), (5, 4, "completed")]
 
     asyncio.run(main())
 
