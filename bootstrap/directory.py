@@ -147,6 +147,8 @@ class NodeDirectory:
             )
         check(reg, await self._registry.nodes())
         previous = await self._registry.node(reg.node_id)
+        # The old process's rooms, read before the new one can be given any.
+        held = await self._store.rooms_on(reg.node_id) if previous is not None else set()
         now = time.time()
         data = NodeData(reg.node_id, reg.model_dump_json().encode(), now, now)
         await self._store.put_node(data, self._settings.node_ttl_s)
@@ -154,7 +156,9 @@ class NodeDirectory:
             # A node registered again lost whatever it held; its old endpoints may be gone. New
             # engine sessions or keys: another process, so the old one writes no more.
             restarted = sessions(previous.reg) != sessions(reg)
-            await self._lifecycle.fail_rooms_of(previous.id, "restarted" if restarted else "registered_again")
+            await self._lifecycle.fail_rooms_of(
+                previous.id, "restarted" if restarted else "registered_again", held
+            )
             for rank in previous.reg.ranks:
                 self._push.forget(rank.zmq_endpoint)
         log.info("node %s registered as %s with %d rank(s)", reg.node_id, reg.role, reg.tp_size)

@@ -152,14 +152,16 @@ class RoomLifecycle:
     async def abort(self, room_id: protocol.RoomId) -> bool:
         return await self.fail(room_id, FailureReason.ABORTED, final=True)
 
-    async def fail_rooms_of(self, node_id: str, evidence: str) -> None:
-        """The node is lost (``evidence`` says how we know): each of its rooms' attempts fails, and
-        is placed again where it may be."""
+    async def fail_rooms_of(
+        self, node_id: str, evidence: str, held: set[protocol.RoomId] | None = None
+    ) -> None:
+        """The node is lost (``evidence`` says how we know): each of its rooms' attempts fails (those
+        in ``held``, where given), and is placed again where it may be."""
         writes_ended = evidence in WRITES_ENDED
         if writes_ended:  # the rooms that failed before, however, need no fence any more
             for transfer, decode in self._fenced_for.pop(node_id, {}).items():
                 await self._abort_on(decode, transfer, FailureReason.PEER_LOST, peer_gone=True)
-        for room_id in await self._store.rooms_on(node_id):
+        for room_id in held if held is not None else await self._store.rooms_on(node_id):
             failed = await self.fail(room_id, FailureReason.PEER_LOST, node_id, writes_ended)
             if failed:
                 self._node_losses.labels(evidence).inc()

@@ -117,9 +117,10 @@ class WorkerHalf:
         self.aux = AuxBuffers(settings.aux_slots)
         self._loads: dict[protocol.TransferId, Loading] = {}
         self._sends: dict[protocol.TransferId, Sending] = {}
-        self._early: dict[protocol.TransferId, list[tuple[protocol.TransferRequest, str | None]]] = {}
+        # Requests that came before their send, with their sender and when they came.
+        self._early: dict[protocol.TransferId, list[tuple[protocol.TransferRequest, str | None, float]]] = {}
         # Revoked before their send came, with the revoker's key (checked once the room's peers are known).
-        self._revoked: dict[protocol.TransferId, str | None] = {}
+        self._revoked: dict[protocol.TransferId, set[str | None]] = {}  # revoked before the send, by whom
         # Prefill rooms scheduled whose send has not come: whom a revoke before it is answered.
         self._scheduled: collections.OrderedDict[protocol.TransferId, RoomParams] = collections.OrderedDict()
         # Sends that ended, to answer a late revocation of one (bounded).
@@ -361,11 +362,11 @@ class WorkerHalf:
         sending = Sending(send, targets)
         self._sends[transfer] = sending
         self._scheduled.pop(transfer, None)
-        if transfer in self._revoked:
-            self._revoke(sending, self._revoked.pop(transfer))
+        for sender in self._revoked.pop(transfer, ()):
+            self._revoke(sending, sender)
         sending.timer = self._loop.call_later(self.settings.transfer_timeout_s, self._give_up_send, sending)
-        for request, sender in self._early.pop(transfer, []):
-            self._take_request(sending, request, sender)
+        for request, sender, arrived in self._early.pop(transfer, []):
+            self._take_request(sending, request, sender, arrived)
         self._settle_send(sending)
 
     def _heads_of(self, rank: int) -> HeadRange:
@@ -461,12 +462,14 @@ class WorkerHalf:
                 raise RejectedMessage(
                     "too many early transfer requests", room=request.transfer, kind="overload"
                 )
-            early.append((request, sender))
+            early.append((request, sender, time.monotonic()))
             self._loop.call_later(self.settings.transfer_timeout_s, self._early.pop, request.transfer, None)
             return
-        self._take_request(sending, request, sender)
+        self._take_request(sending, request, sender, time.monotonic())
 
-    def _take_request(self, sending: Sending, request: protocol.TransferRequest, sender: str | None) -> None:
+    def _take_request(
+        self, sending: Sending, request: protocol.TransferRequest, sender: str | None, arrived: float
+    ) -> None:
         try:
             self._check_request(sending, request, sender)
         except RejectedMessage as exc:
@@ -475,7 +478,7 @@ class WorkerHalf:
             return
         sending.requests[request.decode_rank] = request
         sending.writing.add(request.decode_rank)
-        start_by = time.monotonic() + self.settings.transfer_timeout_s
+        start_by = arrived + self.settings.transfer_timeout_s  # from its arrival, early or not
         self._loop.create_task(self._write(sending, request, start_by))
 
     def _check_request(self, sending: Sending, req: protocol.TransferRequest, sender: str | None) -> None:
@@ -686,8 +689,9 @@ class WorkerHalf:
                 if sender is None or sender == peer.public_key:
                     released = protocol.RoomReleased(msg.transfer, peer.rank, self.rank, "revoked")
                     self.push.send(peer.zmq_endpoint, peer.public_key, protocol.encode(released))
-            self._revoked[msg.transfer] = sender
-            self._loop.call_later(self.settings.transfer_timeout_s, self._revoked.pop, msg.transfer, None)
+            if msg.transfer not in self._revoked:
+                self._loop.call_later(self.settings.transfer_timeout_s, self._revoked.pop, msg.transfer, None)
+            self._revoked.setdefault(msg.transfer, set()).add(sender)
             return
         self._revoke(sending, sender)
         self._settle_send(sending)

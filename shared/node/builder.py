@@ -225,12 +225,13 @@ class Node:
         # could write (docs/failures.md, "One rule for death"): a prefill leaves only once its
         # writes are over. Past the bound it exits without a word, and its peers wait out the lease.
         writer = self.role.name == "prefill"
-        settle = time.monotonic() + WRITES_SETTLE_S
-        while writer and leader.writes_in_flight() and time.monotonic() < settle:
+        since = time.monotonic()  # every rank has had its aborts: what it says after is current
+        settle = since + WRITES_SETTLE_S
+        while writer and not leader.writes_over(since) and time.monotonic() < settle:
             await asyncio.sleep(0.05)
         self.link.flush()
         await asyncio.sleep(0.05)  # ZMQ sends are queued: let them leave before the sockets close
-        if writer and leader.writes_in_flight():
+        if writer and not leader.writes_over(since):
             log.warning("drain: writes still in flight after %.1fs; exiting without leaving", WRITES_SETTLE_S)
             return
         with contextlib.suppress(httpx.HTTPError):

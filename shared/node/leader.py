@@ -84,6 +84,7 @@ class NodeLeader:
         self.links = links
         self.ranks: dict[int, protocol.PeerRank] = {0: rank.info()}
         self.health_of: dict[int, protocol.RankHealth] = {}
+        self.health_at: dict[int, float] = {}  # when each rank's last health came (monotonic)
         self.alive: dict[int, bool] = {r: r == 0 for r in range(world)}
         self.pids = {0: os.getpid(), **pids}
         self.broken: str | None = None
@@ -128,6 +129,7 @@ class NodeLeader:
                 self.service.agree.contribute(msg.rank, msg.states)
         elif isinstance(msg, protocol.RankHealth):
             self.health_of[msg.rank] = msg
+            self.health_at[msg.rank] = time.monotonic()
         elif isinstance(msg, protocol.RankReady):
             p = msg.peer
             self.ranks[p.rank] = p
@@ -245,6 +247,11 @@ class NodeLeader:
     def rooms_in_flight(self) -> int:
         return sum(h.rooms_in_flight + h.fenced_rooms for h in self._rank_health())
 
-    def writes_in_flight(self) -> int:
-        """Writes to peers that may still move, on the ranks still alive (a dead one writes nothing)."""
-        return sum(h.writes_in_flight for h in self._rank_health() if self.alive.get(h.rank, False))
+    def writes_over(self, since: float) -> bool:
+        """Whether no write to peers may still move on a rank still alive, by what every such rank
+        said after ``since`` (a dead rank writes nothing; an older word may predate a write)."""
+        live = [r for r in range(1, self.world) if self.alive.get(r, False)]
+        if any(self.health_at.get(r, float("-inf")) <= since for r in live):
+            return False
+        healths = [self.service.health(), *(self.health_of[r] for r in live)]
+        return not any(h.writes_in_flight for h in healths)

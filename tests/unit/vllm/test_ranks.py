@@ -361,3 +361,28 @@ def test_a_failed_loads_blocks_stay_fenced_until_the_latest_moment_a_silent_writ
     finally:
         prefill.close()
         decode.close()
+
+
+def test_a_request_that_came_early_keeps_the_start_deadline_of_its_arrival():
+    directory: dict = {}
+    prefill = Rank("prefill", directory, transfer_timeout_s=0.6)
+    decode = Rank("decode", directory, transfer_timeout_s=30.0, lease_timeout_s=30.0)
+    busy = threading.Event()
+    try:
+        blockers = [prefill.half._writes.submit(busy.wait) for _ in range(8)]  # the write threads taken
+        decode.half.take_plan(StepPlan(loads=[Load("d-1", room("decode", prefill.peer), [2, 9, 11], PROMPT)]))
+        until(lambda: TRANSFER in prefill.half._early)
+        threading.Event().wait(0.35)  # the prompt is computed within T of the request's arrival
+        send = Send("p-1", room("prefill", decode.peer), [5, 6, 7], PROMPT, first_token=42)
+        prefill.half.take_plan(StepPlan(sends=[send]))
+        until(lambda: prefill.half._sends.get(TRANSFER) and prefill.half._sends[TRANSFER].writing)
+        threading.Event().wait(0.35)  # its write queued past arrival + T, not past send + T
+        busy.set()
+        for blocker in blockers:
+            blocker.result(5)
+        until(lambda: "p-1" in prefill.poll().sending, timeout=3)
+        assert not prefill.half.engine.writes  # type: ignore[attr-defined]
+    finally:
+        busy.set()
+        prefill.close()
+        decode.close()
