@@ -399,22 +399,18 @@ class DecodeService(RankService):
 
     def _on_abort(self, msg: protocol.AbortRoom) -> None:
         fenced = self.fenced.get(msg.transfer)
-        if fenced is not None and msg.peer_gone:  # failed before; its writer's process has ended now
-            for lease in fenced.leases.values():
-                lease.revoke()
+        job = self.rooms.live.get(msg.transfer) or fenced
+        if msg.peer_gone and isinstance(job, DecodeJob):
+            for lease in job.leases.values():
+                lease.revoke()  # its process ended (it left, or another took its id): no more writes
+        if fenced is not None:  # failed before: its pages go back once no writer holds them
             self._release(fenced)
             return
-        if msg.peer_gone and msg.transfer not in self.rooms.live:
-            return  # the bootstrap's word for a room that failed before and is no longer fenced here
-        job = self.rooms.live.get(msg.transfer)
         if job is None:
-            if self.rooms.find(msg.transfer) is None and msg.transfer not in self.fenced:
+            if not msg.peer_gone and self.rooms.find(msg.transfer) is None:
                 self.rooms.ended_unseen(msg.transfer, msg.reason)
             return
         assert isinstance(job, DecodeJob)
-        if msg.peer_gone:
-            for lease in job.leases.values():
-                lease.revoke()  # its process ended (it left, or another took its id): no more writes
         if job.state is RoomState.SUCCESS:
             # Ended now, and said so: a node that drains exits without waiting for the decode.
             # Every rank still decodes to the end (their collectives pair up); the output is dropped.

@@ -411,13 +411,20 @@ class WorkerHalf:
         self._revoked.pop(room.transfer, None)
         self._scheduled.pop(room.transfer, None)
         self._ended(room)
-        for peer in room.peers:
-            released = protocol.RoomReleased(room.transfer, peer.rank, self.rank, FailureReason.ABORTED)
-            self.push.send(peer.zmq_endpoint, peer.public_key, protocol.encode(released))
+        self._release_to(room, None, FailureReason.ABORTED)
 
     def _released(self, sending: Sending, decode_rank: int, reason: str) -> None:
-        peer = sending.send.room.peers[decode_rank]
-        msg = protocol.RoomReleased(sending.send.room.transfer, decode_rank, self.rank, reason)
+        self._release_peer(sending.send.room.transfer, sending.send.room.peers[decode_rank], reason)
+
+    def _release_to(self, room: RoomParams, sender: str | None, reason: str) -> None:
+        """Tell the room's decode ranks whose key ``sender`` is (all, with None) that nothing more
+        of it will be written here."""
+        for peer in room.peers:
+            if sender is None or sender == peer.public_key:
+                self._release_peer(room.transfer, peer, reason)
+
+    def _release_peer(self, transfer: protocol.TransferId, peer: protocol.PeerRank, reason: str) -> None:
+        msg = protocol.RoomReleased(transfer, peer.rank, self.rank, reason)
         self.push.send(peer.zmq_endpoint, peer.public_key, protocol.encode(msg))
 
     def _revoke_all(self, room: RoomParams, reason: str) -> None:
@@ -452,8 +459,7 @@ class WorkerHalf:
             if request.decode_rank < len(ended.peers):
                 peer = ended.peers[request.decode_rank]
                 RankService.check_sender(sender, peer, request.transfer)
-                released = protocol.RoomReleased(request.transfer, peer.rank, self.rank, "revoked")
-                self.push.send(peer.zmq_endpoint, peer.public_key, protocol.encode(released))
+                self._release_peer(request.transfer, peer, "revoked")
             return
         if sending is None:
             early = self._early.setdefault(request.transfer, [])
@@ -676,19 +682,14 @@ class WorkerHalf:
         sending = self._sends.get(msg.transfer)
         ended = self._ended_sends.get(msg.transfer)
         if ended is not None:  # nothing of it can still be written: say so at once
-            for peer in ended.peers:
-                if sender is None or sender == peer.public_key:
-                    released = protocol.RoomReleased(msg.transfer, peer.rank, self.rank, "revoked")
-                    self.push.send(peer.zmq_endpoint, peer.public_key, protocol.encode(released))
+            self._release_to(ended, sender, "revoked")
             return
         if sending is None:
             # Its prompt is still being computed (or long gone): remembered while it may come, and
             # answered now if the room is known here, since nothing of it will be written.
             scheduled = self._scheduled.get(msg.transfer)
-            for peer in scheduled.peers if scheduled is not None else ():
-                if sender is None or sender == peer.public_key:
-                    released = protocol.RoomReleased(msg.transfer, peer.rank, self.rank, "revoked")
-                    self.push.send(peer.zmq_endpoint, peer.public_key, protocol.encode(released))
+            if scheduled is not None:
+                self._release_to(scheduled, sender, "revoked")
             if msg.transfer not in self._revoked:
                 self._loop.call_later(self.settings.transfer_timeout_s, self._revoked.pop, msg.transfer, None)
             self._revoked.setdefault(msg.transfer, set()).add(sender)

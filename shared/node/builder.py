@@ -170,12 +170,12 @@ class Node:
         self.membership.beat_now()  # the bootstrap stops placing rooms here now, not at the next beat
         if not self.settings.stay_up_on_rank_death:
             log.error("the node leaves the cluster and exits, for its supervisor to start it again")
-            self.refuse_new_rooms()
-            self.stopping.set()
+            self.stop()
 
-    def refuse_new_rooms(self) -> None:
-        """From this moment, before the drain begins: rooms not seen yet are refused."""
+    def stop(self) -> None:
+        """Refuse rooms not seen yet from this moment, before the drain begins; then drain."""
         self.leader.draining = True
+        self.stopping.set()
 
     async def serve(self) -> None:
         """Take rooms until ``stopping`` is set, then drain; the other ranks must be started."""

@@ -149,12 +149,8 @@ async def _leader(role: Role, settings: NodeSettings) -> int:
     pids = {r: child.pid for r, child in enumerate(children, start=1)}
     node = Node(role, settings, rank, loop, links, pids, group)
 
-    def drain_now() -> None:
-        node.refuse_new_rooms()
-        node.stopping.set()
-
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, drain_now)
+        loop.add_signal_handler(sig, node.stop)
     server = _EmbeddedServer(
         uvicorn.Config(
             http_app(node), host=settings.host, port=settings.http_port, log_config=None, lifespan="off"

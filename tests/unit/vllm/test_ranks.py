@@ -2,10 +2,12 @@
 sockets, with vLLM's KV layout in torch tensors and the fake engine moving the bytes (the real
 engine and real vLLM servers are in tests/integration/test_vllm.py)."""
 
+import contextlib
 import ctypes
 import os
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -83,9 +85,14 @@ def room(role: str, peer: protocol.PeerRank) -> RoomParams:
     return RoomParams(TRANSFER, role, "other", [peer])  # type: ignore[arg-type]
 
 
+def load(decode: Rank, prefill: Rank, req_id: str = "d-1", dst=(2, 9, 11)) -> None:
+    """The decode asks the prefill for the room's KV, into blocks ``dst``."""
+    decode.half.take_plan(StepPlan(loads=[Load(req_id, room("decode", prefill.peer), list(dst), PROMPT)]))
+
+
 def start(prefill: Rank, decode: Rank, src=(5, 6, 7), dst=(2, 9, 11)) -> None:
     prefill.whole[:, list(src)] = torch.randn(LAYERS, len(src), HEADS, TOKENS, CHANNELS)
-    decode.half.take_plan(StepPlan(loads=[Load("d-1", room("decode", prefill.peer), list(dst), PROMPT)]))
+    load(decode, prefill, dst=dst)
     send = Send("p-1", room("prefill", decode.peer), list(src), PROMPT, first_token=42)
     prefill.half.take_plan(StepPlan(sends=[send]))
 
@@ -254,7 +261,7 @@ def test_a_request_that_came_early_is_not_written_once_its_room_was_revoked():
     directory: dict = {}
     prefill, decode = Rank("prefill", directory, transfer_timeout_s=30.0), Rank("decode", directory)
     try:
-        decode.half.take_plan(StepPlan(loads=[Load("d-1", room("decode", prefill.peer), [2, 9, 11], PROMPT)]))
+        load(decode, prefill)
         until(lambda: TRANSFER in prefill.half._early)  # the prompt is not computed yet
         decode.half.take_plan(StepPlan(revoked=[room("decode", prefill.peer)]))
         until(lambda: TRANSFER in prefill.half._revoked)
@@ -267,26 +274,39 @@ def test_a_request_that_came_early_is_not_written_once_its_room_was_revoked():
         decode.close()
 
 
+@contextlib.contextmanager
+def write_threads_taken(rank: Rank) -> Iterator[None]:
+    """Every write thread of the rank busy until the block ends (writes ahead of the ones the
+    block queues, hung on a partitioned peer)."""
+    busy = threading.Event()
+    blockers = [rank.half._writes.submit(busy.wait) for _ in range(8)]
+    try:
+        yield
+    finally:
+        busy.set()
+        for blocker in blockers:
+            blocker.result(5)
+
+
+def queued_write(rank: Rank) -> bool:
+    sending = rank.half._sends.get(TRANSFER)
+    return sending is not None and bool(sending.writing)
+
+
 def test_a_write_that_waited_past_its_start_deadline_is_not_started():
     directory: dict = {}
     prefill = Rank("prefill", directory, transfer_timeout_s=0.3)
     decode = Rank("decode", directory, transfer_timeout_s=30.0, lease_timeout_s=30.0)
-    busy = threading.Event()
     try:
-        # Every write thread is taken (writes ahead of this one, hung on a partitioned peer).
-        blockers = [prefill.half._writes.submit(busy.wait) for _ in range(8)]
-        start(prefill, decode)
-        until(lambda: prefill.half._sends.get(TRANSFER) and prefill.half._sends[TRANSFER].writing)
-        threading.Event().wait(0.5)  # past the write's start deadline while it queues
-        busy.set()
-        for blocker in blockers:
-            blocker.result(5)
+        with write_threads_taken(prefill):
+            start(prefill, decode)
+            until(lambda: queued_write(prefill))
+            threading.Event().wait(0.5)  # past the write's start deadline while it queues
         until(lambda: "p-1" in prefill.poll().sending and "d-1" in decode.poll().recving, timeout=5)
         assert not prefill.half.engine.writes  # type: ignore[attr-defined]
         assert set(decode.failed) == {"d-1"} and decode.invalid == {2, 9, 11}
         assert decode.whole.abs().sum() == 0
     finally:
-        busy.set()
         prefill.close()
         decode.close()
 
@@ -311,14 +331,14 @@ def test_a_prefill_request_that_ended_unsent_gives_its_decode_its_blocks_back_at
     prefill = Rank("prefill", directory, transfer_timeout_s=30.0)
     decode = Rank("decode", directory, transfer_timeout_s=30.0, lease_timeout_s=30.0)
     try:
-        decode.half.take_plan(StepPlan(loads=[Load("d-1", room("decode", prefill.peer), [2, 9, 11], PROMPT)]))
+        load(decode, prefill)
         until(lambda: TRANSFER in prefill.half._early)  # asked for, the prompt not computed yet
         prefill.half.take_plan(StepPlan(unsent=[room("prefill", decode.peer)]))  # the client left
         until(lambda: "d-1" in decode.poll().recving, timeout=1)
         assert set(decode.failed) == {"d-1"} and decode.invalid == {2, 9, 11}
         assert TRANSFER not in prefill.half._early and not prefill.half.engine.writes  # type: ignore[attr-defined]
         # A request that comes after is answered at once as well.
-        decode.half.take_plan(StepPlan(loads=[Load("d-2", room("decode", prefill.peer), [4, 5, 6], PROMPT)]))
+        load(decode, prefill, "d-2", dst=(4, 5, 6))
         until(lambda: "d-2" in decode.poll().recving, timeout=1)
         assert "d-2" in decode.failed
     finally:
@@ -332,7 +352,7 @@ def test_a_revoke_for_a_room_scheduled_but_not_sent_is_answered_at_once_and_noth
     decode = Rank("decode", directory, transfer_timeout_s=30.0, lease_timeout_s=30.0)
     try:
         prefill.half.take_plan(StepPlan(scheduled=[room("prefill", decode.peer)]))  # computing
-        decode.half.take_plan(StepPlan(loads=[Load("d-1", room("decode", prefill.peer), [2, 9, 11], PROMPT)]))
+        load(decode, prefill)
         until(lambda: TRANSFER in prefill.half._early)
         decode.half.take_plan(StepPlan(stopped_loads=["d-1"]))  # the decode's client left
         until(lambda: "d-1" in decode.poll().recving, timeout=1)  # not at the 30 s lease
@@ -353,7 +373,7 @@ def test_a_failed_loads_blocks_stay_fenced_until_the_latest_moment_a_silent_writ
     decode = Rank("decode", directory, transfer_timeout_s=0.6, lease_timeout_s=0.4)
     try:
         asked = time.monotonic()
-        decode.half.take_plan(StepPlan(loads=[Load("d-1", room("decode", prefill.peer), [2, 9, 11], PROMPT)]))
+        load(decode, prefill)
         decode.half.take_plan(StepPlan(stopped_loads=["d-1"]))
         until(lambda: "d-1" in decode.poll().recving, timeout=5)
         assert time.monotonic() - asked >= 0.6 + 0.4
@@ -367,22 +387,19 @@ def test_a_request_that_came_early_keeps_the_start_deadline_of_its_arrival():
     directory: dict = {}
     prefill = Rank("prefill", directory, transfer_timeout_s=0.6)
     decode = Rank("decode", directory, transfer_timeout_s=30.0, lease_timeout_s=30.0)
-    busy = threading.Event()
     try:
-        blockers = [prefill.half._writes.submit(busy.wait) for _ in range(8)]  # the write threads taken
-        decode.half.take_plan(StepPlan(loads=[Load("d-1", room("decode", prefill.peer), [2, 9, 11], PROMPT)]))
-        until(lambda: TRANSFER in prefill.half._early)
-        threading.Event().wait(0.35)  # the prompt is computed within T of the request's arrival
-        send = Send("p-1", room("prefill", decode.peer), [5, 6, 7], PROMPT, first_token=42)
-        prefill.half.take_plan(StepPlan(sends=[send]))
-        until(lambda: prefill.half._sends.get(TRANSFER) and prefill.half._sends[TRANSFER].writing)
-        threading.Event().wait(0.35)  # its write queued past arrival + T, not past send + T
-        busy.set()
-        for blocker in blockers:
-            blocker.result(5)
+        with write_threads_taken(prefill):
+            decode.half.take_plan(
+                StepPlan(loads=[Load("d-1", room("decode", prefill.peer), [2, 9, 11], PROMPT)])
+            )
+            until(lambda: TRANSFER in prefill.half._early)
+            threading.Event().wait(0.35)  # the prompt is computed within T of the request's arrival
+            send = Send("p-1", room("prefill", decode.peer), [5, 6, 7], PROMPT, first_token=42)
+            prefill.half.take_plan(StepPlan(sends=[send]))
+            until(lambda: queued_write(prefill))
+            threading.Event().wait(0.35)  # its write queued past arrival + T, not past send + T
         until(lambda: "p-1" in prefill.poll().sending, timeout=3)
         assert not prefill.half.engine.writes  # type: ignore[attr-defined]
     finally:
-        busy.set()
         prefill.close()
         decode.close()
