@@ -91,6 +91,7 @@ class SchedulerHalf:
         zap = ZapHandler(context) if self.security.keys else None
         self.push = PushSockets(context, self.security)
         self.link = BootstrapLink(self.node_id, self.push.send, self._loop)
+        self.link.live = self.rooms.live
         self.membership = Membership(
             self.settings,
             self.node_id,

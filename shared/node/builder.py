@@ -141,6 +141,7 @@ class Node:
         broadcast = links.broadcast if links is not None else None
         agree = agreement_for(settings, loop, 0, broadcast=broadcast, group=group)
         self.service = service = build_service(role, rank, self.link, agree, metrics, loop)
+        self.link.live = service.rooms.live
         self.leader = leader = NodeLeader(
             role.name, node_id, service, self.link, settings.tp_size, links, pids or {}
         )
