@@ -44,7 +44,8 @@ from bootstrap.store import (
     Store,
     StoreUnavailable,
 )
-from shared.wire.protocol import RoomId, TransferId
+from shared.room.record import TransferId
+from shared.wire.protocol import RoomId
 
 log = logging.getLogger(__name__)
 P = "kvroom:"

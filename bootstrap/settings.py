@@ -3,9 +3,8 @@ from pathlib import Path
 from pydantic import Field, SecretStr
 from pydantic_settings import SettingsConfigDict
 
-from shared.settings import ServiceSettings
+from shared.settings import ServiceSettings, read_secret
 from shared.wire import protocol
-from shared.wire.security import read_secret
 
 
 class BootstrapSettings(ServiceSettings):

@@ -19,7 +19,8 @@ from typing import Protocol
 import msgspec
 
 from shared.errors import KvroomError
-from shared.wire.protocol import RoomId, RoomRecord, TransferId
+from shared.room.record import TransferId
+from shared.wire.protocol import RoomId, RoomRecord
 
 Change = Callable[["RoomData"], bool]  # mutates the room; True if it changed anything
 

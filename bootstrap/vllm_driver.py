@@ -25,8 +25,9 @@ from bootstrap.store import RoomData, Store
 from bootstrap.tasks import Tasks
 from bootstrap.waiters import Waiters
 from shared.errors import KvroomError
+from shared.room.record import TransferId
 from shared.room.states import FailureReason, RoomState
-from shared.wire.protocol import RoomId, TransferId
+from shared.wire.protocol import RoomId
 
 log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 5.0

@@ -13,7 +13,7 @@
     ├── PoolExhausted            no free KV page or aux slot
     ├── TransferError            the transfer engine failed a write
     ├── RegistrationError        the bootstrap refused or could not take a node
-    ├── SecretError              a key or secret file is missing or unreadable (shared.wire.security)
+    ├── SecretError              a key or secret file is missing or unreadable
     ├── StoreUnavailable         the bootstrap's store cannot be reached (bootstrap.store)
     └── ClientError              the client's bootstrap refused or could not be reached (bootstrap.client)
 
@@ -88,3 +88,7 @@ class RegistrationError(KvroomError):
     def __init__(self, message: str, refused: bool = False):
         super().__init__(message)
         self.refused = refused  # the bootstrap said no, as opposed to not answering
+
+
+class SecretError(KvroomError):
+    """A key or secret file is missing or unreadable."""

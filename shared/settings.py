@@ -12,7 +12,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from shared.wire.security import read_secret
+from shared.errors import SecretError
 
 LogFormat = Literal["plain", "json"]
 ZmqSecurity = Literal["curve", "plain"]
@@ -20,6 +20,20 @@ Transport = Literal["tcp", "rdma", "nvlink"]
 # Read when a service's own join-token settings are unset, so one variable serves them all.
 SHARED_JOIN_TOKEN = "KVROOM_JOIN_TOKEN"
 SHARED_JOIN_TOKEN_FILE = "KVROOM_JOIN_TOKEN_FILE"
+
+
+def read_secret(value: str | None, path: Path | None, what: str) -> str | None:
+    """A secret given directly or in a file (its first line); None if neither is set."""
+    if path is not None:
+        try:
+            lines = path.read_text().splitlines()
+        except OSError as exc:
+            raise SecretError(f"cannot read the {what} file {path}: {exc}") from exc
+        text = lines[0].strip() if lines else ""
+        if not text:
+            raise SecretError(f"the {what} file {path} is empty")
+        return text
+    return value or None
 
 
 class ServiceSettings(BaseSettings):

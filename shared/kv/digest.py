@@ -23,8 +23,8 @@ import threading
 import torch
 import xxhash
 
+from shared.kv.digest_kind import DigestKind
 from shared.kv.pool import KVPool
-from shared.wire.protocol import DigestKind
 
 # Below this many bytes a room is digested at once where it is asked for: a thread hop costs
 # more than the digest (256 KiB take about 15 us).

@@ -39,8 +39,7 @@ from shared.models.files import (
     tokenizer_digest,
     weights_digest,
 )
-from shared.models.source import Decoded, DecodeRequest, KVSource, stop_at
-from shared.node.settings import NodeSettings
+from shared.models.source import Decoded, DecodeRequest, KVSource, ModelSettings, stop_at
 from shared.wire.registration import ModelIdentity
 
 log = logging.getLogger(__name__)
@@ -84,7 +83,7 @@ def _shard(model: Any, rank: int, tp: int, all_reduce: Callable[[torch.Tensor], 
 class HFSource(KVSource):
     inline = False
 
-    def __init__(self, settings: NodeSettings, rank: int, all_reduce: Callable[[torch.Tensor], None] | None):
+    def __init__(self, settings: ModelSettings, rank: int, all_reduce: Callable[[torch.Tensor], None] | None):
         path, tp = model_dir(settings.model), settings.tp_size
         config = AutoConfig.from_pretrained(path, local_files_only=True)
         arch = (config.architectures or ["(none given)"])[0]

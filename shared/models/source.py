@@ -13,6 +13,7 @@ and its result is dropped. The node's leader fixes that order.
 import abc
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from shared.errors import KvroomError
 from shared.kv.head_split import HeadRange, kv_heads
@@ -20,10 +21,25 @@ from shared.kv.layout import KVLayout
 from shared.kv.pool import KVPool
 from shared.models import synthetic
 from shared.models.reference import AllReduce, ModelConfig, ReferenceModel, decode_text
-from shared.node.settings import NodeSettings
 from shared.wire.registration import ModelIdentity
 
 OnToken = Callable[[int], object]
+
+
+class ModelSettings(Protocol):
+    """What picking and loading a model reads of a node's settings (``NodeSettings``, a layer up)."""
+
+    model: str
+    tp_size: int
+    page_size: int
+    num_layers: int | None
+    num_kv_heads: int | None
+    head_dim: int | None
+
+    @property
+    def resolved_dtype(self) -> str: ...
+
+    def rank_device(self, rank: int) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -158,7 +174,7 @@ class SyntheticSource(KVSource):
 _REFERENCE = ModelConfig()
 
 
-def make_source(settings: NodeSettings, rank: int, all_reduce: AllReduce | None) -> KVSource:
+def make_source(settings: ModelSettings, rank: int, all_reduce: AllReduce | None) -> KVSource:
     """The KV source ``settings.model`` names, for ``rank`` of ``settings.tp_size``."""
     tp = settings.tp_size
     if settings.model == "reference":

@@ -26,6 +26,20 @@ TOKEN_DELAY_S = 0.002
 Send = Callable[[str, str, list[bytes]], bool]  # endpoint, its CURVE key, frames
 
 
+def room_status(room: Room) -> protocol.RoomStatus:
+    """The room's record, as its reports carry it."""
+    return protocol.RoomStatus(
+        transfer=room.id,
+        state=int(room.state),
+        reason=room.reason,
+        timestamps=room.timestamps,
+        timings=room.timings,
+        output_ids=room.output_ids,
+        outcome=room.outcome,
+        finish_reason=room.finish_reason,
+    )
+
+
 class BootstrapLink:
     def __init__(self, node_id: str, send: Send, loop: asyncio.AbstractEventLoop):
         self.node_id = node_id
@@ -96,5 +110,5 @@ class BootstrapLink:
         rooms = list(self._pending_reports.values())
         self._pending_reports.clear()
         for start in range(0, len(rooms), protocol.MAX_REPORTS):
-            statuses = [room.status() for room in rooms[start : start + protocol.MAX_REPORTS]]
+            statuses = [room_status(room) for room in rooms[start : start + protocol.MAX_REPORTS]]
             self._send(endpoint, key, protocol.encode(protocol.RoomReports(self.node_id, statuses)))

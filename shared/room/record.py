@@ -4,13 +4,15 @@ import collections
 import logging
 import time
 from collections.abc import Callable
+from typing import NewType
 
-import msgspec
-
-from shared.room.states import FailureReason, RoomState, check_transition, forward_path
-from shared.wire.protocol import RoomStatus, TransferId
+from shared.room.states import FailureReason, RoomState, check_transition, forward_path, public_state
 
 log = logging.getLogger(__name__)
+
+# A placement of a room, the only id a node knows (the client's room id stays with the
+# bootstrap): a room's first placement has the room's id, one placed again a new one.
+TransferId = NewType("TransferId", int)
 
 
 def _ignore(room: "Room") -> None:
@@ -69,24 +71,18 @@ class Room:
     def finished(self) -> bool:
         return self.state is RoomState.FAILED or self.outcome is not None
 
-    def status(self) -> RoomStatus:
-        """The room's record, as its reports carry it and its view shows it."""
-        return RoomStatus(
-            transfer=self.id,
-            state=int(self.state),
-            reason=self.reason,
-            timestamps=self.timestamps,
-            timings=self.timings,
-            output_ids=self.output_ids,
-            outcome=self.outcome,
-            finish_reason=self.finish_reason,
-        )
-
     def view(self) -> dict[str, object]:
-        status = self.status()
-        return msgspec.structs.asdict(status) | {
-            "state": status.public_state,
+        """The room as its node's HTTP view shows it: its report's fields, the state as clients see it."""
+        return {
+            "transfer": self.id,
+            "state": public_state(self.state, self.outcome),
             "transfer_state": self.state.name,
+            "reason": self.reason,
+            "timestamps": self.timestamps,
+            "timings": self.timings,
+            "output_ids": self.output_ids,
+            "outcome": self.outcome,
+            "finish_reason": self.finish_reason,
         }
 
 

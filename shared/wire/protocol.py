@@ -49,7 +49,7 @@ Changelog
 
 import enum
 import struct
-from typing import Annotated, Any, Literal, NewType
+from typing import Annotated, Any, NewType
 
 import msgspec
 
@@ -59,7 +59,9 @@ from shared.errors import (
     UnknownMessageType,
     VersionMismatch,
 )
+from shared.kv.digest_kind import DigestKind
 from shared.kv.head_split import HeadRange
+from shared.room.record import TransferId
 from shared.room.states import RoomState, failed, public_state
 
 PROTOCOL_VERSION = 7
@@ -80,9 +82,6 @@ MAX_STOP_CHARS = 256
 
 # Room and transfer ids are exact in a float64 (JSON tools, JavaScript): below 2**53, never 0.
 MAX_ROOM_ID = (1 << 53) - 1
-# A placement of a room, the only id a node knows (the client's room id stays with the
-# bootstrap): a room's first placement has the room's id, one placed again a new one.
-TransferId = NewType("TransferId", int)
 Transfer = Annotated[TransferId, msgspec.Meta(gt=0, le=MAX_ROOM_ID)]
 # A client's room: it keeps its id across re-placements, while each placement gets a TransferId.
 RoomId = NewType("RoomId", int)
@@ -90,7 +89,6 @@ Rank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_RANKS)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
 Digest = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
 Token = Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
-DigestKind = Literal["xxh3", "wsum"]  # verify mode's page digests (shared.kv.digest)
 Head = Annotated[int, msgspec.Meta(ge=0, le=MAX_HEADS)]
 HeadCount = Annotated[int, msgspec.Meta(ge=1, le=MAX_HEADS)]
 # Where a rank's transfer engine (host:port) and its ZMQ socket (tcp://host:port) are reached.
@@ -261,7 +259,7 @@ class RoomReleased(msgspec.Struct, frozen=True):
 
 class RoomRecord(msgspec.Struct, kw_only=True):
     """Where a room stands and what it produced: the one record of a room, kept by a node's room
-    (``Room.status``), sent in its reports (``RoomStatus``) and kept by the bootstrap (``RoomData``).
+    (``Room``), sent in its reports (``RoomStatus``) and kept by the bootstrap (``RoomData``).
 
     ``state`` is the transfer's (a ``RoomState``), with the wall-clock time it entered each state;
     ``outcome`` is the request's end once the transfer succeeded: "completed", or "failed" with

@@ -21,15 +21,11 @@ from pathlib import Path
 import zmq
 from zmq.utils import z85
 
-from shared.errors import KvroomError
+from shared.errors import SecretError
 
 log = logging.getLogger(__name__)
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
-
-
-class SecretError(KvroomError):
-    """A key or secret file is missing or unreadable."""
 
 
 @dataclass(frozen=True)
@@ -81,20 +77,6 @@ def load_public_key(value: str) -> str:
     except (OSError, ValueError) as exc:
         raise SecretError(f"cannot read CURVE public key {value}: {exc}") from exc
     return public.decode()
-
-
-def read_secret(value: str | None, path: Path | None, what: str) -> str | None:
-    """A secret given directly or in a file (its first line); None if neither is set."""
-    if path is not None:
-        try:
-            lines = path.read_text().splitlines()
-        except OSError as exc:
-            raise SecretError(f"cannot read the {what} file {path}: {exc}") from exc
-        text = lines[0].strip() if lines else ""
-        if not text:
-            raise SecretError(f"the {what} file {path} is empty")
-        return text
-    return value or None
 
 
 def secrets_match(given: str | None, expected: str) -> bool:

@@ -6,13 +6,13 @@ from pathlib import Path
 import pytest
 import zmq
 
+from shared.errors import SecretError
+from shared.settings import read_secret
 from shared.wire.security import (
     CurveKeys,
-    SecretError,
     Security,
     bearer,
     load_public_key,
-    read_secret,
     secrets_match,
     security_for,
     write_keys,
