@@ -9,6 +9,8 @@
 
 Top-level modules are the small things every service uses: errors, settings, metrics, logs, cli.
 
-Layers (held by ``tests/unit/test_layers.py``): the bootstrap imports neither torch,
-``shared.node``, ``shared.models`` nor a role package; nothing under ``shared/`` imports a role package.
+Layers (held by ``tests/unit/test_layers.py``), bottom to top: errors, cli, logs, heap, settings,
+``kv``, ``room``, ``metrics``, ``wire``, ``models``, ``node``; each imports only those below it.
+The bootstrap imports neither torch, ``shared.node``, ``shared.models`` nor a role package;
+nothing under ``shared/`` imports a role package.
 """
