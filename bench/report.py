@@ -412,6 +412,59 @@ def _vllm_part(v: dict[str, Any], m: dict[str, Any]) -> str:
                 " (engine descriptors) each on average."
             )
     parts.append("".join(notes) + "\n")
+    if v.get("cpu_rows"):
+        parts.append(_vllm_cpu_part(v))
+    return "\n".join(parts)
+
+
+def _vllm_cpu_part(v: dict[str, Any]) -> str:
+    """CPU seconds a request, each configuration under vLLM's default executor, and the targets."""
+    from bench.vllm import CPU_VS_MOONCAKE
+
+    rows, quick = v["cpu_rows"], v["quick"]
+    parts = [
+        "\n**vLLM: CPU seconds a request** (each configuration started again under vLLM's default "
+        "executor, as users run it: its worker a process of its own; user + system CPU of every process "
+        "of the configuration, API servers, engine cores, workers, and the proxy or the bootstrap, with "
+        f"only it running; {v['cpu_prompt_tokens']}-token prompts, {v['max_tokens']} tokens out; median "
+        f"over {v['rounds']} round(s), the range in brackets; a ratio is the median of one round's ratios)\n"
+    ]
+    if not quick:
+        table = []
+        for r in rows:
+            at = f"{r['concurrency']} concurrent"
+            ratio, boot = r["cpu_kvroom_vs_mooncake"], r["cpu_bootstrap_vs_proxy"]
+            table.append(
+                [
+                    f"kvroom pair + bootstrap ≤ {CPU_VS_MOONCAKE}x MooncakeConnector pair + proxy, {at}",
+                    f"{ratio:.2f}x",
+                    "met" if ratio <= CPU_VS_MOONCAKE else "not met",
+                ]
+            )
+            table.append(
+                [
+                    f"the bootstrap's own ≤ the proxy's, {at}",
+                    f"{boot:.2f}x",
+                    "met" if boot <= 1 else "not met",
+                ]
+            )
+        parts.append(_table(["target", "this run", ""], table) + "\n")
+    headers = ["concurrent", "requests a round"]
+    headers += [f"{name} CPU ms a request" for name in _VLLM_CONFIGS.values()]
+    headers += [] if quick else ["kvroom ÷ Mooncake"]
+    headers += ["Mooncake: prefill, decode, proxy", "kvroom: prefill, decode, bootstrap"]
+    table = []
+    for r in rows:
+        row = [r["concurrency"], r["requests"]]
+        for config in _VLLM_CONFIGS:
+            low, high = r[config]["cpu_s_range"]
+            row.append(f"{r[config]['cpu_s'] * 1000:.0f} [{low * 1000:.0f}-{high * 1000:.0f}]")
+        if not quick:
+            row.append(f"{r['cpu_kvroom_vs_mooncake']:.2f}x")
+        for config in ("mooncake", "kvroom"):
+            row.append(", ".join(f"{seconds * 1000:.1f}" for seconds in r[config]["parts"].values()))
+        table.append(row)
+    parts.append(_table(headers, table))
     return "\n".join(parts)
 
 

@@ -17,6 +17,11 @@ Each server holds its core while it lives (prefill core 0, decode core 1; the pl
 so only one configuration runs at a time: a round starts each in turn, measures every point on it
 and stops it, the order reversed every other round. A ratio is taken between the medians of one
 round, then the median over rounds. Nothing here asserts a timing.
+
+Time to the first token is measured with each worker inside its engine core (SERVER_ENV); then
+each configuration is started again under vLLM's default executor, as users run it, for its CPU
+seconds a request: every process of it counted (bench/process_cpu.py), 128-token prompts, one at a
+time and 8 at once. On two cores wall-time ratios move 2x between rounds; CPU per request does not.
 """
 
 import asyncio
@@ -36,6 +41,7 @@ from typing import Any
 
 import httpx
 
+from bench.process_cpu import cpu_seconds
 from launcher.local_stack import free_port
 from launcher.vllm_servers import ROOT, VLLM_PYTHON, VllmCluster, VllmServer, tiny_llama
 
@@ -52,6 +58,10 @@ LOADED = ("vllm:prompt_tokens_by_source_total", {"source": "external_kv_transfer
 VS_MOONCAKE = 0.9
 VS_PLAIN = 1.5
 VS_PLAIN_POINT = (1, 400)
+# And kvroom's CPU a request (pair and bootstrap) against MooncakeConnector's (pair and proxy), and
+# the bootstrap's own against the proxy's, at every concurrency of the CPU points.
+CPU_VS_MOONCAKE = 1.0
+CPU_PROMPT_TOKENS = 128
 # vLLM's periodic log of a connector's transfers (the Mooncake prefill's sends).
 XFER_LOG = re.compile(
     r"KV Transfer metrics: Num successful transfers=(\d+), .*?Avg MB per transfer=([\d.]+), "
@@ -68,6 +78,7 @@ class Plan:
         self.quick = quick
         self.sizes = [16, 128, 400]
         self.levels = [(1, 3), (8, 8)] if quick else [(1, 8), (8, 24)]
+        self.cpu_levels = [(1, 4), (8, 8)] if quick else [(1, 40), (8, 40)]  # (concurrency, requests)
         self.rounds = 1 if quick else 3  # an odd count: the median is one round's
 
     def points(self) -> list[tuple[int, int, int]]:
@@ -177,12 +188,14 @@ class Running:
         url: str,
         decode: VllmServer,
         stop: Callable[[], None],
+        parts: dict[str, int],
         sender: VllmServer | None = None,
         rooms: bool = False,
     ):
         self.url = url
         self.decode = decode
         self.stop = stop
+        self.parts = parts  # each process tree of the configuration by name: its root's pid
         self.sender = sender
         self.rooms = rooms  # the kvroom bootstrap: a room's output ids are at /rooms/{room}
 
@@ -237,31 +250,41 @@ class Running:
 SERVER_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
-def start(config: str, model: Path, log_dir: Path) -> Running:
+def _pid(proc: subprocess.Popen[bytes] | None) -> int:
+    assert proc is not None
+    return proc.pid
+
+
+def start(config: str, model: Path, log_dir: Path, server_env: dict[str, str]) -> Running:
     log_dir.mkdir(parents=True, exist_ok=True)
     if config == "plain":
-        server = VllmServer("plain", model, log_dir, 0, SERVER_ENV).start()
+        server = VllmServer("plain", model, log_dir, 0, server_env).start()
         try:
             server.wait_ready()
         except BaseException:
             server.stop()
             raise
-        return Running(server.url, server, server.stop)
+        return Running(server.url, server, server.stop, {"server": _pid(server.proc)})
     if config == "kvroom":
-        cluster = VllmCluster(log_dir, model, bootstrap_args=["--log-level", "WARNING"], env=SERVER_ENV)
+        cluster = VllmCluster(log_dir, model, bootstrap_args=["--log-level", "WARNING"], env=server_env)
         try:
             prefill, decode = cluster.start()
         except BaseException:
             cluster.stop()
             raise
-        return Running(cluster.bootstrap.url, decode, cluster.stop, sender=prefill, rooms=True)
-    return start_mooncake(model, log_dir)
+        parts = {
+            "prefill": _pid(prefill.proc),
+            "decode": _pid(decode.proc),
+            "bootstrap": _pid(cluster.bootstrap.proc),
+        }
+        return Running(cluster.bootstrap.url, decode, cluster.stop, parts, sender=prefill, rooms=True)
+    return start_mooncake(model, log_dir, server_env)
 
 
-def start_mooncake(model: Path, log_dir: Path) -> Running:
+def start_mooncake(model: Path, log_dir: Path, server_env: dict[str, str]) -> Running:
     bootstrap_port = free_port()
     env = {
-        **SERVER_ENV,
+        **server_env,
         # get_ip(): the host the transfer engine and the decode's side channel name; loopback here.
         "VLLM_HOST_IP": "127.0.0.1",
         "MC_TCP_BIND_ADDRESS": "127.0.0.1",  # the transfer engine's TCP listener (else 0.0.0.0)
@@ -298,7 +321,8 @@ def start_mooncake(model: Path, log_dir: Path) -> Running:
     except BaseException:
         stop()
         raise
-    return Running(proxy.url, decode, stop, sender=prefill)
+    parts = {"prefill": _pid(prefill.proc), "decode": _pid(decode.proc), "proxy": _pid(proxy.proc)}
+    return Running(proxy.url, decode, stop, parts, sender=prefill)
 
 
 async def stream(client: httpx.AsyncClient, model: str, ids: list[int]) -> tuple[float, float, str]:
@@ -343,7 +367,7 @@ async def load(
 
 
 def measure(
-    running: Running, model: Path, plan: Plan, prompts: dict[tuple[int, ...], list[list[int]]], round_: int
+    running: Running, model: Path, plan: Plan, prompts: dict[tuple[Any, ...], list[list[int]]], round_: int
 ) -> dict[str, Any]:
     """Every point on one configuration's servers, and the warm-up's outputs as token ids (one
     prompt a size, whole and then streamed, untimed: the servers' first requests)."""
@@ -362,6 +386,24 @@ def measure(
             "loaded_tokens_per_request": (running.loaded() - before) / requests,
         }
     return {"outputs": warm, "points": points, "transfers": running.transfers()}
+
+
+def measure_cpu(
+    running: Running, model: Path, plan: Plan, prompts: dict[tuple[Any, ...], list[list[int]]], round_: int
+) -> dict[str, Any]:
+    """CPU seconds a request of every process of the configuration, at each concurrency, after an
+    untimed warm-up request."""
+    asyncio.run(load(running.url, model.name, prompts[(CPU_PROMPT_TOKENS,)], 1))
+    levels = {}
+    for concurrency, requests in plan.cpu_levels:
+        before = cpu_seconds(running.parts)
+        started = time.perf_counter()
+        asyncio.run(load(running.url, model.name, prompts[("cpu", concurrency, round_)], concurrency))
+        wall = time.perf_counter() - started
+        after = cpu_seconds(running.parts)
+        parts = {name: (after[name] - before[name]) / requests for name in running.parts}
+        levels[str(concurrency)] = {"cpu_s": sum(parts.values()), "parts": parts, "wall_s": wall}
+    return levels
 
 
 def median_ms(values: list[float]) -> float:
@@ -399,6 +441,45 @@ def summarise(rounds: list[dict[str, dict[str, Any]]], plan: Plan, per_token: in
     return rows
 
 
+def summarise_cpu(rounds: list[dict[str, dict[str, Any]]], plan: Plan) -> list[dict[str, Any]]:
+    """Per concurrency: each configuration's CPU a request (median and range over rounds, and the
+    median of each process tree's), and kvroom's against Mooncake's (median of one round's ratios)."""
+    rows = []
+    for concurrency, requests in plan.cpu_levels:
+        row: dict[str, Any] = {"concurrency": concurrency, "requests": requests}
+        for config in CONFIGS:
+            got = [r[config]["cpu"][str(concurrency)] for r in rounds]
+            totals = [g["cpu_s"] for g in got]
+            row[config] = {
+                "cpu_s": statistics.median(totals),
+                "cpu_s_range": [min(totals), max(totals)],
+                "parts": {name: statistics.median(g["parts"][name] for g in got) for name in got[0]["parts"]},
+                "wall_s": statistics.median(g["wall_s"] for g in got),
+            }
+        kvroom = [r["kvroom"]["cpu"][str(concurrency)] for r in rounds]
+        mooncake = [r["mooncake"]["cpu"][str(concurrency)] for r in rounds]
+        row["cpu_kvroom_vs_mooncake"] = statistics.median(
+            k["cpu_s"] / m["cpu_s"] for k, m in zip(kvroom, mooncake, strict=True)
+        )
+        row["cpu_bootstrap_vs_proxy"] = statistics.median(
+            k["parts"]["bootstrap"] / m["parts"]["proxy"] for k, m in zip(kvroom, mooncake, strict=True)
+        )
+        rows.append(row)
+    return rows
+
+
+def _start(config: str, model: Path, log_dir: Path, server_env: dict[str, str]) -> tuple[Running, float]:
+    """The configuration up, and the seconds that took; once more where a server did not come up."""
+    begun = time.monotonic()
+    try:
+        running = start(config, model, log_dir, server_env)
+    except RuntimeError as exc:  # a server that did not come up; its errors are printed
+        print(f"  {LABELS[config]} did not start, starting it once more: {exc}", flush=True)
+        begun = time.monotonic()
+        running = start(config, model, log_dir.with_name(log_dir.name + "-again"), server_env)
+    return running, time.monotonic() - begun
+
+
 def run(workdir: Path, quick: bool) -> dict[str, Any]:
     """The section: every configuration in turn, every round; its results for results.json."""
     if not VLLM_PYTHON.exists():
@@ -407,12 +488,15 @@ def run(workdir: Path, quick: bool) -> dict[str, Any]:
     plan = Plan(quick)
     model = tiny_llama(workdir / "models")
     drawn = Prompts(model)
-    prompts: dict[tuple[int, ...], list[list[int]]] = {
+    prompts: dict[tuple[Any, ...], list[list[int]]] = {
         (size,): drawn.draw(size, 1, ("warm", size)) for size in plan.sizes
     }
     for round_ in range(plan.rounds):
         for size, concurrency, requests in plan.points():
             prompts[(size, concurrency, round_)] = drawn.draw(size, requests, (size, concurrency, round_))
+        for concurrency, requests in plan.cpu_levels:
+            key = ("cpu", concurrency, round_)
+            prompts[key] = drawn.draw(CPU_PROMPT_TOKENS, requests, key)
     del drawn
     rounds: list[dict[str, dict[str, Any]]] = []
     starts: dict[str, list[float]] = {config: [] for config in CONFIGS}
@@ -420,16 +504,15 @@ def run(workdir: Path, quick: bool) -> dict[str, Any]:
         got: dict[str, dict[str, Any]] = {}
         for config in CONFIGS if round_ % 2 == 0 else CONFIGS[::-1]:
             print(f"  round {round_ + 1}/{plan.rounds}: {LABELS[config]}", flush=True)
-            begun = time.monotonic()
-            try:
-                running = start(config, model, workdir / f"vllm-{config}-{round_}")
-            except RuntimeError as exc:  # a server that did not come up; its errors are printed
-                print(f"  {LABELS[config]} did not start, starting it once more: {exc}", flush=True)
-                begun = time.monotonic()
-                running = start(config, model, workdir / f"vllm-{config}-{round_}-again")
-            starts[config].append(time.monotonic() - begun)
+            running, took = _start(config, model, workdir / f"vllm-{config}-{round_}", SERVER_ENV)
+            starts[config].append(took)
             try:
                 got[config] = measure(running, model, plan, prompts, round_)
+            finally:
+                running.stop()
+            running, _ = _start(config, model, workdir / f"vllm-{config}-{round_}-cpu", {})
+            try:
+                got[config]["cpu"] = measure_cpu(running, model, plan, prompts, round_)
             finally:
                 running.stop()
         rounds.append(got)
@@ -455,6 +538,8 @@ def run(workdir: Path, quick: bool) -> dict[str, Any]:
         "transfers": {config: _merge(logged) if logged else None for config, logged in transfers.items()},
         "seconds": round(time.time() - started, 1),
         "rows": summarise(rounds, plan, bytes_per_token(model)),
+        "cpu_prompt_tokens": CPU_PROMPT_TOKENS,
+        "cpu_rows": summarise_cpu(rounds, plan),
     }
 
 

@@ -112,7 +112,8 @@ VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 @pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="bash setup.sh vllm makes .venv-vllm")
 @pytest.mark.timeout(900)
 def test_the_vllm_section_runs_its_three_configurations_and_reports(tmp_path):
-    """Costs about three minutes: five vLLM CPU servers, one configuration at a time."""
+    """Costs about five minutes: ten vLLM CPU servers, one configuration at a time, each started
+    twice (its worker in its engine core for TTFT, vLLM's default executor for CPU)."""
     (tmp_path / "results.json").write_text(json.dumps({"machine": {"cpus": 2}, "kept": True}))
     out = subprocess.run(
         [sys.executable, "-m", "bench", "--vllm-only", "--quick", "--out", str(tmp_path)],
@@ -146,6 +147,20 @@ def test_the_vllm_section_runs_its_three_configurations_and_reports(tmp_path):
     # kvroom's prefill counted its writes (Mooncake's logs them every 10 s, maybe not in so short
     # a run): at least one a layer.
     assert vllm["transfers"]["kvroom"]["descriptors_per_transfer"] >= 2, vllm["transfers"]
+    # CPU a request of every process tree of each configuration, one at a time and 8 at once.
+    assert [r["concurrency"] for r in vllm["cpu_rows"]] == [1, 8]
+    trees = {
+        "plain": ["server"],
+        "mooncake": ["prefill", "decode", "proxy"],
+        "kvroom": ["prefill", "decode", "bootstrap"],
+    }
+    for row in vllm["cpu_rows"]:
+        for config, names in trees.items():
+            got = row[config]
+            assert list(got["parts"]) == names, (config, got)
+            # Each tree spent CPU on the requests: a root whose descendants were missed shows 0.
+            assert all(seconds > 0 for seconds in got["parts"].values()), (config, got)
+            assert got["cpu_s_range"][0] <= got["cpu_s"] == pytest.approx(sum(got["parts"].values()))
     report = (tmp_path / "results.md").read_text()
     assert "**vLLM: kvroom against vLLM's MooncakeConnector**" in report
     assert "kvroom's prefill:" in report
@@ -163,3 +178,12 @@ def test_the_vllm_section_runs_its_three_configurations_and_reports(tmp_path):
     assert targets[0].endswith("| met |") == every
     point = next(r for r in vllm["rows"] if (r["prompt_tokens"], r["concurrency"]) == (400, 1))
     assert targets[1].endswith("| met |") == (point["ttft_kvroom_vs_plain"] <= 1.5)
+    cpu_targets = [
+        line for line in lines if line.startswith(("| kvroom pair + bootstrap ≤", "| the bootstrap's own"))
+    ]
+    assert len(cpu_targets) == 4
+    for r, (pair, own) in zip(
+        vllm["cpu_rows"], zip(cpu_targets[::2], cpu_targets[1::2], strict=True), strict=True
+    ):
+        assert pair.endswith("| met |") == (r["cpu_kvroom_vs_mooncake"] <= 1.0)
+        assert own.endswith("| met |") == (r["cpu_bootstrap_vs_proxy"] <= 1.0)
