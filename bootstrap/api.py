@@ -32,7 +32,7 @@ from bootstrap.store import RoomData, StoreUnavailable
 from bootstrap.validation import PromptText, check_room, encode
 from shared.metrics import CONTENT_TYPE_LATEST
 from shared.wire.protocol import RoomId
-from shared.wire.registration import Heartbeat, NodeRegistration
+from shared.wire.registration import Heartbeat, LeaveCause, NodeRegistration
 from shared.wire.security import bearer, secrets_match
 
 
@@ -128,9 +128,9 @@ async def drain_node(node_id: str, cluster: ClusterDep) -> dict[str, Any]:
 
 
 @nodes.delete("/nodes/{node_id}")
-async def remove_node(node_id: str, cluster: ClusterDep) -> dict[str, Any]:
+async def remove_node(node_id: str, cluster: ClusterDep, cause: LeaveCause | None = None) -> dict[str, Any]:
     node = await _node(cluster, node_id)
-    await cluster.forget(node_id)
+    await cluster.forget(node_id, cause or "operator")
     return node.view()
 
 

@@ -136,8 +136,8 @@ class Cluster:
     async def drain(self, node_id: str) -> Node | None:
         return await self._directory.drain(node_id)
 
-    async def forget(self, node_id: str) -> None:
-        await self._directory.forget(node_id)
+    async def forget(self, node_id: str, cause: str = "operator") -> None:
+        await self._directory.forget(node_id, cause)
 
     # -- rooms ------------------------------------------------------------------------------
 

@@ -105,6 +105,13 @@ class NodeDirectory:
             ["reason"],
             registry=metrics.registry,
         )
+        self._left = Counter(
+            "kvroom_nodes_left_total",
+            "Nodes that left the cluster, by cause: shutdown (the node was stopped), rank_death (it "
+            "lost a rank process and exits for its supervisor), operator (DELETE /nodes/{id} without one)",
+            ["cause"],
+            registry=metrics.registry,
+        )
 
     def start(self) -> None:
         """Nodes are taken for dead only a TTL after this: a store that outlived us may hold leases
@@ -200,16 +207,17 @@ class NodeDirectory:
         data = await self._store.update_node(node_id, change)
         return self._registry.read(data) if data is not None else None
 
-    async def forget(self, node_id: str) -> None:
+    async def forget(self, node_id: str, cause: str = "operator") -> None:
         """The node left: whatever it still held fails, it is no longer listed, and its sockets close
         (one that comes back at the same address, with another key, gets new ones)."""
         node = await self._registry.node(node_id)
+        self._left.labels(cause).inc()
         await self._lifecycle.fail_rooms_of(node_id, "left")
         await self._store.remove_node(node_id)
         if node is not None:
             for rank in node.reg.ranks:
                 self._push.forget(rank.zmq_endpoint)
-        log.info("node %s left the cluster", node_id)
+        log.info("node %s left the cluster (%s)", node_id, cause)
 
     def _disconnected(self, endpoint: str) -> None:
         """The connection to a node's leader dropped: its process is most likely gone. Mark it dead at

@@ -19,6 +19,14 @@ def decode_gauges(metrics: ServiceMetrics, node: Node) -> None:
         "Pages of failed rooms held until their writers give them back or the lease ends (all ranks)",
         lambda: node.health()["fenced_pages"],
     )
+    metrics.counter_function(
+        "kvroom_lent_pages_closed_total",
+        "Pages lent to prefill ranks' writes whose lease closed, by how: returned (the writer said its "
+        "writes ended), revoked (the writer is gone for certain: it left or restarted), expired (no "
+        "word from it within lease_timeout_s)",
+        "how",
+        lambda: node.health()["lent_pages_closed"],
+    )
 
 
 DECODE = Role("decode", DecodeService, DecodeSettings, decode_gauges)

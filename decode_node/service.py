@@ -30,7 +30,7 @@ from decode_node.settings import DecodeSettings
 from shared.errors import PoolExhausted, RejectedMessage
 from shared.kv.aux_buffers import AUX_RECORD, AuxBuffers, record_digest
 from shared.kv.head_split import HeadRange, writers
-from shared.kv.lease import Lease
+from shared.kv.lease import Lease, LeaseState
 from shared.models.source import Decoded, DecodeRequest
 from shared.node.rank import RankRoom, RankService
 from shared.room.gate import Expected, Invalid, Landed, Pending, Ready, rank_verdict
@@ -96,6 +96,9 @@ class DecodeService(RankService):
             rooms_in_flight=len(self.rooms.live),
             fenced_rooms=len(self.fenced),
             fenced_pages=sum(len(job.pages) for job in self.fenced.values()),
+            lent_pages_returned=self.pool.closed_lent_pages[LeaseState.RETURNED],
+            lent_pages_revoked=self.pool.closed_lent_pages[LeaseState.REVOKED],
+            lent_pages_expired=self.pool.closed_lent_pages[LeaseState.EXPIRED],
         )
 
     def holds(self, room: Room) -> bool:

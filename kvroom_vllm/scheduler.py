@@ -155,7 +155,9 @@ class SchedulerHalf:
 
     async def _leave(self) -> None:
         async with httpx.AsyncClient(base_url=self.settings.bootstrap_url, timeout=LEAVE_TIMEOUT_S) as client:
-            await client.delete(f"/nodes/{self.node_id}", headers=self.membership.auth)
+            await client.delete(
+                f"/nodes/{self.node_id}", params={"cause": "shutdown"}, headers=self.membership.auth
+            )
 
     # -- vLLM's engine thread: rooms ---------------------------------------------------
 

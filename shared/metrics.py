@@ -6,7 +6,7 @@ prefill node adds what its writes moved; a decode node its aux latency and
 slots; both their pages; the bootstrap its nodes and how long rooms take.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 
 from fastapi.telemetry import TelemetryConfig
 from prometheus_client import (
@@ -18,6 +18,7 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from shared.cli import VERSION
@@ -119,6 +120,13 @@ class ServiceMetrics:
     def gauge_function(self, name: str, doc: str, fn: Callable[[], float]) -> None:
         Gauge(name, doc, registry=self.registry).set_function(fn)
 
+    def counter_function(
+        self, name: str, doc: str, label: str, fn: Callable[[], Mapping[str, float]]
+    ) -> None:
+        """A counter read at scrape time, one sample a label value: for totals kept elsewhere (a
+        node's ranks, which may be other processes)."""
+        self.registry.register(_CounterFunction(name, doc, label, fn))
+
     def count_states(self, states: Callable[[], list[RoomState]]) -> None:
         """Sample rooms-by-state at scrape time from the live room table."""
 
@@ -130,3 +138,14 @@ class ServiceMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _CounterFunction:
+    def __init__(self, name: str, doc: str, label: str, fn: Callable[[], Mapping[str, float]]):
+        self.name, self.doc, self.label, self.fn = name, doc, label, fn
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(self.name, self.doc, labels=[self.label])
+        for value, count in self.fn().items():
+            family.add_metric([value], count)
+        yield family

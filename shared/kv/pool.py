@@ -9,7 +9,7 @@ import torch
 
 from shared.errors import PagesStillLent, PoolExhausted
 from shared.kv.layout import KVLayout
-from shared.kv.lease import Lease
+from shared.kv.lease import Lease, LeaseState
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,9 @@ class KVPool:
         self._scatter = scatter
         self._used: set[int] = set()
         self._lent: collections.Counter[int] = collections.Counter()  # page -> open leases on it
+        # Pages of leases that closed, by how: returned by their writer, revoked because it is
+        # gone for certain, or expired with no word from it.
+        self.closed_lent_pages: collections.Counter[LeaseState] = collections.Counter()
 
     @property
     def base_ptr(self) -> int:
@@ -87,6 +90,7 @@ class KVPool:
         return lease
 
     def _lease_closed(self, lease: Lease) -> None:
+        self.closed_lent_pages[lease.state] += len(lease.pages)
         self._lent.subtract(lease.pages)
         for page in lease.pages:
             if self._lent[page] <= 0:

@@ -237,7 +237,10 @@ class Node:
             return
         with contextlib.suppress(httpx.HTTPError):
             async with httpx.AsyncClient(base_url=settings.bootstrap_url, timeout=LEAVE_TIMEOUT_S) as client:
-                await client.delete(f"/nodes/{self.node_id}", headers=membership.auth)
+                cause = "rank_death" if leader.broken is not None else "shutdown"
+                await client.delete(
+                    f"/nodes/{self.node_id}", params={"cause": cause}, headers=membership.auth
+                )
 
     def close(self) -> None:
         if self.links is not None:

@@ -226,6 +226,10 @@ class NodeLeader:
             "total_aux_slots": healths[0].total_aux_slots,
             "fenced_rooms": sum(h.fenced_rooms for h in healths),
             "fenced_pages": sum(h.fenced_pages for h in healths),
+            "lent_pages_closed": {
+                how: sum(getattr(h, f"lent_pages_{how}") for h in healths)
+                for how in ("returned", "revoked", "expired")
+            },
             "ranks": [
                 {
                     **msgspec.structs.asdict(self.ranks[r]),

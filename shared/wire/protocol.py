@@ -346,6 +346,10 @@ class RankHealth(msgspec.Struct, frozen=True):
     rooms_in_flight: NonNegative
     fenced_rooms: NonNegative
     fenced_pages: NonNegative = 0  # pages of failed rooms a writer may still write into
+    # Pages whose lease to a writer closed so far: returned by it, revoked (it is gone), expired.
+    lent_pages_returned: NonNegative = 0
+    lent_pages_revoked: NonNegative = 0
+    lent_pages_expired: NonNegative = 0
     writes_in_flight: NonNegative = 0  # a prefill's rooms whose writes to peers may still move
 
 

@@ -12,6 +12,9 @@ from shared.kv.layout import DTYPE_NAMES, KVLayout
 from shared.wire import protocol
 
 Role = Literal["prefill", "decode"]
+# Why a node leaves, as it tells the bootstrap: it was stopped, or it lost a rank process and
+# exits for its supervisor to start it again. A leave without one is an operator's.
+LeaveCause = Literal["shutdown", "rank_death"]
 Z85_KEY = r"^[0-9a-zA-Z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}$"
 
 

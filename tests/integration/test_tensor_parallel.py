@@ -230,6 +230,11 @@ def test_a_prefill_that_loses_a_rank_leaves_and_exits_and_its_decode_frees_at_on
                 assert final["state"] == "SUCCESS" and final["prefill"]["node_id"] == healthy.name, final
                 assert final["output_ids"] == generate(model, encode_text(prompt), 5)
             until(lambda: all_ranks_full(decode), 5, "every decode rank's pages and slots back")
+            # What the operator sees: why the node left, and the lent pages freed on its certain
+            # death rather than at the lease's end.
+            assert metric(stack.bootstrap, "kvroom_nodes_left_total", 'cause="rank_death"') == 1
+            assert metric(decode, "kvroom_lent_pages_closed_total", 'how="revoked"') > 0
+            assert metric(decode, "kvroom_lent_pages_closed_total", 'how="expired"') == 0
             results = asyncio.run(run_rooms(stack.bootstrap.url, [f"after {i}" for i in range(4)], 5))
             for i, final in enumerate(results):
                 assert final.json()["state"] == "SUCCESS"

@@ -336,8 +336,10 @@ def test_a_draining_or_unhealthy_node_gets_no_rooms(client):
     assert client.post("/rooms", json={"prompt": "w", "max_new_tokens": 2}).status_code == 503
     nodes = {n["node_id"]: n for n in client.get("/nodes").json()}
     assert nodes["d1"]["problem"] == "rank 1 exited with code -9" and not nodes["d1"]["healthy"]
-    assert client.delete("/nodes/d0", headers=AUTH).status_code == 200
+    assert client.delete("/nodes/d0", params={"cause": "lost"}, headers=AUTH).status_code == 422
+    assert client.delete("/nodes/d0", params={"cause": "rank_death"}, headers=AUTH).status_code == 200
     assert "d0" not in {n["node_id"] for n in client.get("/nodes").json()}
+    assert 'kvroom_nodes_left_total{cause="rank_death"} 1.0' in client.get("/metrics").text
 
 
 def test_room_history_is_bounded():

@@ -11,6 +11,7 @@ from decode_node.settings import DecodeSettings
 from launcher.local_stack import free_port
 from shared.errors import RejectedMessage
 from shared.kv.aux_buffers import Aux
+from shared.kv.lease import LeaseState
 from shared.metrics import ServiceMetrics
 from shared.models.source import make_source
 from shared.node.agreement import Solo
@@ -185,6 +186,7 @@ def test_fenced_pages_come_back_when_the_lease_ends_and_not_before():
         assert ROOM in service.fenced and service.pool.free_pages == 30
         service.check_timeouts(time.monotonic() + 11)
         assert not service.fenced and service.pool.free_pages == 32
+        assert service.health().lent_pages_expired == 2 and service.health().lent_pages_returned == 0
 
     run(body, lease_timeout_s=10)
 
@@ -202,6 +204,7 @@ def test_an_abort_for_a_silent_peer_keeps_pages_fenced_until_its_late_writes_com
         assert not service.fenced and service.pool.free_pages == 32
         assert service.metrics.late_writes._value.get() == 1
         assert service.rooms.find(ROOM).state is RoomState.FAILED
+        assert service.pool.closed_lent_pages == {LeaseState.RETURNED: 2}
 
     run(body, lease_timeout_s=60)
 
@@ -223,6 +226,7 @@ def test_an_abort_for_a_gone_peer_frees_pages_at_once():
         assign(service)
         service.handle_assignment(protocol.AbortRoom(ROOM, 0, "peer_lost", peer_gone=True))
         assert not service.fenced and service.pool.free_pages == 32
+        assert service.health().lent_pages_revoked == 2
 
     run(body)
 
