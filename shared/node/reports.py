@@ -7,6 +7,8 @@ bootstrap the node registered with (``shared.node.membership`` says which).
 import asyncio
 from collections.abc import Callable, Collection
 
+import msgspec
+
 from shared.room.record import Room
 from shared.wire import protocol
 from shared.wire.registration import Bootstrap
@@ -38,6 +40,12 @@ def room_status(room: Room) -> protocol.RoomStatus:
         outcome=room.outcome,
         finish_reason=room.finish_reason,
     )
+
+
+def room_view(room: Room) -> dict[str, object]:
+    """The room as its node's HTTP view shows it: its report's fields, the state as clients see it."""
+    status = room_status(room)
+    return msgspec.structs.asdict(status) | {"state": status.public_state, "transfer_state": room.state.name}
 
 
 class BootstrapLink:

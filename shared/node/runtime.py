@@ -41,6 +41,7 @@ from shared.node import agreement
 from shared.node.builder import Node, Role, agreement_for, build_service, make_rank
 from shared.node.leader import RankLinks, leader_endpoint, rank_endpoint
 from shared.node.rank import NoReports
+from shared.node.reports import room_view
 from shared.node.settings import NodeSettings
 from shared.wire import protocol
 from shared.wire.security import Security, security_for
@@ -117,7 +118,7 @@ def http_app(node: Node) -> FastAPI:
         found = node.service.rooms.find(protocol.TransferId(transfer))
         if found is None:
             raise HTTPException(404, f"transfer {transfer} is not known to this node")
-        return found.view()
+        return room_view(found)
 
     return app
 

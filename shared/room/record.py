@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable
 from typing import NewType
 
-from shared.room.states import FailureReason, RoomState, check_transition, forward_path, public_state
+from shared.room.states import FailureReason, RoomState, check_transition, forward_path
 
 log = logging.getLogger(__name__)
 
@@ -70,20 +70,6 @@ class Room:
     @property
     def finished(self) -> bool:
         return self.state is RoomState.FAILED or self.outcome is not None
-
-    def view(self) -> dict[str, object]:
-        """The room as its node's HTTP view shows it: its report's fields, the state as clients see it."""
-        return {
-            "transfer": self.id,
-            "state": public_state(self.state, self.outcome),
-            "transfer_state": self.state.name,
-            "reason": self.reason,
-            "timestamps": self.timestamps,
-            "timings": self.timings,
-            "output_ids": self.output_ids,
-            "outcome": self.outcome,
-            "finish_reason": self.finish_reason,
-        }
 
 
 class RoomTable:

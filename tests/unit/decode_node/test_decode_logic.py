@@ -17,6 +17,7 @@ from shared.models.source import make_source
 from shared.node.agreement import Solo
 from shared.node.builder import build_service, make_rank
 from shared.node.leader import NodeLeader
+from shared.node.reports import room_view
 from shared.room.states import RoomState
 from shared.wire import protocol
 from shared.wire.security import CurveKeys, Security
@@ -282,7 +283,7 @@ def test_a_decode_that_raises_ends_the_outcome_failed_and_is_counted():
         assert job.state is RoomState.SUCCESS
         await until_async(lambda: job.outcome is not None)
         assert (job.outcome, job.reason, job.output_ids) == ("failed", "decode_failed", None)
-        assert job.view()["state"] == "FAILED" and job.view()["transfer_state"] == "SUCCESS"
+        assert room_view(job)["state"] == "FAILED" and room_view(job)["transfer_state"] == "SUCCESS"
         assert service.metrics.failures.labels("decode_failed")._value.get() == 1
         assert service.pool.free_pages == 32
 

@@ -3,6 +3,7 @@
 import pytest
 
 from shared.errors import IllegalTransition
+from shared.node.reports import room_view
 from shared.room.record import Room, RoomTable
 from shared.room.states import FailureReason, RoomState
 
@@ -58,7 +59,7 @@ def test_end_records_the_outcome_after_a_successful_transfer():
     assert not room.finished  # the transfer succeeded; the request has not ended
     room.end("completed")
     assert room.finished and seen[-1] == (S.SUCCESS, "completed", None)
-    view = room.view()
+    view = room_view(room)
     assert (view["state"], view["transfer_state"], view["outcome"]) == ("SUCCESS", "SUCCESS", "completed")
 
 
@@ -66,7 +67,7 @@ def test_a_request_that_failed_after_the_transfer_shows_failed_but_keeps_its_tra
     room = Room(7)
     room.advance_to(S.SUCCESS)
     room.end("failed", FailureReason.DECODE_FAILED)
-    view = room.view()
+    view = room_view(room)
     assert view["state"] == "FAILED" and view["transfer_state"] == "SUCCESS"
     assert view["outcome"] == "failed" and view["reason"] == "decode_failed"
     assert room.state is S.SUCCESS and room.finished
@@ -87,7 +88,7 @@ def test_view_of_a_failed_room():
     room.output_ids = [1, 2]
     room.finish_reason = None
     room.fail("aborted")
-    view = room.view()
+    view = room_view(room)
     assert view["transfer"] == 7 and view["state"] == view["transfer_state"] == "FAILED"
     assert view["reason"] == "aborted" and view["outcome"] is None and view["output_ids"] == [1, 2]
     assert set(view) == {
