@@ -32,7 +32,7 @@ from bootstrap.store import RoomData, StoreUnavailable
 from bootstrap.validation import PromptText, check_room, encode
 from shared.metrics import CONTENT_TYPE_LATEST
 from shared.wire.protocol import RoomId
-from shared.wire.registration import Heartbeat, LeaveCause, NodeRegistration
+from shared.wire.registration import Heartbeat, LeaveCause, NodeRegistration, ParamsKey
 from shared.wire.security import bearer, secrets_match
 
 
@@ -109,6 +109,12 @@ async def register_node(reg: NodeRegistration, cluster: ClusterDep) -> dict[str,
     except Incompatible as exc:
         raise HTTPException(409, str(exc)) from exc
     return (await cluster.registered(node)).model_dump()
+
+
+@nodes.get("/params-key")
+async def params_key(cluster: ClusterDep) -> ParamsKey:
+    """The cluster's key for transfer parameters, for a vLLM API server's check of each request."""
+    return ParamsKey(params_key=(await cluster.store.params_key()).hex())
 
 
 @nodes.put("/nodes/{node_id}/heartbeat")

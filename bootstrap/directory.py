@@ -142,6 +142,7 @@ class NodeDirectory:
             node_ttl_s=self._settings.node_ttl_s,
             epoch=await self._store.epoch(),
             unknown_transfers=unknown,
+            params_key=(await self._store.params_key()).hex(),
         )
 
     async def register(self, reg: NodeRegistration) -> Node:

@@ -45,6 +45,7 @@ from bootstrap.store import (
     StoreUnavailable,
 )
 from shared.room.record import TransferId
+from shared.wire import grants
 from shared.wire.protocol import RoomId
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,7 @@ class RedisStore(Store):
         self._url = url
         self._history = history
         self._room_ttl_ms = int(room_ttl_s * 1000)
+        self._params_key: bytes | None = None
         # A pooled connection that Redis closed while it was away is found dead on its next use:
         # that command is tried once more, on the connection made again.
         self._redis: aioredis.Redis = aioredis.from_url(
@@ -328,6 +330,14 @@ class RedisStore(Store):
         await self._call(self._redis.set, key, fresh, nx=True)  # the first bootstrap of this store
         raw = await self._call(self._redis.get, key)
         return raw.decode() if raw else fresh
+
+    async def params_key(self) -> bytes:
+        if self._params_key is None:  # it never changes: read once
+            key, fresh = P + "params_key", secrets.token_bytes(grants.KEY_BYTES)
+            await self._call(self._redis.set, key, fresh, nx=True)  # the first bootstrap of this store
+            raw = await self._call(self._redis.get, key)
+            self._params_key = bytes(raw) if raw else fresh
+        return self._params_key
 
     async def bootstraps(self) -> list[BootstrapInfo]:
         async def scan() -> list[bytes]:

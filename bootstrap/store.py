@@ -20,6 +20,7 @@ import msgspec
 
 from shared.errors import KvroomError
 from shared.room.record import TransferId
+from shared.wire import grants
 from shared.wire.protocol import RoomId, RoomRecord
 
 Change = Callable[["RoomData"], bool]  # mutates the room; True if it changed anything
@@ -197,6 +198,11 @@ class Store(abc.ABC):
     async def epoch(self, renew: bool = False) -> str:
         """An id that changes when reports may have been lost (``renew``): nodes report every room again."""
 
+    @abc.abstractmethod
+    async def params_key(self) -> bytes:
+        """The cluster's key for transfer parameters (``shared.wire.grants``): made by the first
+        bootstrap of the store, the same for every bootstrap that shares it."""
+
     async def ping(self) -> None:
         """Raise StoreUnavailable unless the store answers."""
 
@@ -222,6 +228,7 @@ class MemoryStore(Store):
         self._bootstraps: dict[str, BootstrapInfo] = {}
         self._bootstrap_leases: dict[str, float] = {}  # id -> when its announcement runs out
         self._epoch = secrets.token_hex(8)  # a restart is a new store: its first heartbeat says so
+        self._params_key = secrets.token_bytes(grants.KEY_BYTES)
 
     async def put_node(self, node: NodeData, lease_s: float) -> None:
         self._nodes[node.node_id] = node
@@ -350,6 +357,9 @@ class MemoryStore(Store):
         if renew:
             self._epoch = secrets.token_hex(8)
         return self._epoch
+
+    async def params_key(self) -> bytes:
+        return self._params_key
 
 
 def open_store(url: str, history: int, room_ttl_s: float, events: RoomEvents) -> Store:

@@ -12,6 +12,7 @@ both requests.
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -27,6 +28,7 @@ from bootstrap.waiters import Waiters
 from shared.errors import KvroomError
 from shared.room.record import TransferId
 from shared.room.states import FailureReason, RoomState
+from shared.wire import grants
 from shared.wire.protocol import RoomId
 
 log = logging.getLogger(__name__)
@@ -52,23 +54,37 @@ class AttemptFailed(KvroomError):
         self.reason = reason
 
 
-def transfer_params(transfer: TransferId, role: str, peer: Node) -> dict[str, Any]:
-    """What kvroom's connector in vLLM reads from a request: the transfer and the peer node's ranks."""
-    peers = [msgspec.to_builtins(rank) for rank in peer.peers]
-    return {"kvroom": {"transfer": transfer, "role": role, "peer_node": peer.id, "peers": peers}}
+def transfer_params(
+    transfer: TransferId, role: str, peer: Node, prompt_len: int, key: bytes, ttl_s: float
+) -> dict[str, Any]:
+    """What kvroom's connector in vLLM reads from a request: the transfer and the peer node's ranks,
+    signed with the cluster's key (the connector acts on nothing else), good for ``ttl_s``."""
+    grant = grants.TransferGrant(
+        transfer=transfer,
+        role=role,  # type: ignore[arg-type]
+        peer_node=peer.id,
+        peers=peer.peers,
+        prompt_len=prompt_len,
+        expires=time.time() + ttl_s,
+    )
+    return {"kvroom": msgspec.to_builtins(grants.sign(grant, key))}
 
 
-def prefill_request(room: RoomData, transfer: TransferId, prefill: Node, decode: Node) -> dict[str, Any]:
+def prefill_request(
+    room: RoomData, transfer: TransferId, prefill: Node, decode: Node, key: bytes, ttl_s: float
+) -> dict[str, Any]:
     return {
         "model": prefill.reg.model.name,
         "prompt": room.input_ids,
         "max_tokens": 1,
         "temperature": 0,
-        "kv_transfer_params": transfer_params(transfer, "prefill", decode),
+        "kv_transfer_params": transfer_params(transfer, "prefill", decode, len(room.input_ids), key, ttl_s),
     }
 
 
-def decode_request(room: RoomData, transfer: TransferId, prefill: Node, decode: Node) -> dict[str, Any]:
+def decode_request(
+    room: RoomData, transfer: TransferId, prefill: Node, decode: Node, key: bytes, ttl_s: float
+) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": decode.reg.model.name,
         "prompt": room.input_ids,
@@ -76,7 +92,7 @@ def decode_request(room: RoomData, transfer: TransferId, prefill: Node, decode: 
         "temperature": 0,
         "stream": True,
         "return_token_ids": True,
-        "kv_transfer_params": transfer_params(transfer, "decode", prefill),
+        "kv_transfer_params": transfer_params(transfer, "decode", prefill, len(room.input_ids), key, ttl_s),
     }
     if room.stop:
         # The stop string stays in the output, as a kvroom decode's does: the API cuts the text.
@@ -110,6 +126,8 @@ class VllmDriver:
         finished: Finished,
     ):
         self._store = store
+        # A request that is still queued when its attempt gave up would be served for nothing.
+        self._grant_ttl_s = settings.request_timeout_s
         self._waiters = waiters
         self._tasks = tasks
         self._fail = fail
@@ -171,7 +189,8 @@ class VllmDriver:
         await self._complete(room, transfer, output, finish_reason)
 
     async def _prefill(self, room: RoomData, transfer: TransferId, prefill: Node, decode: Node) -> None:
-        body = prefill_request(room, transfer, prefill, decode)
+        key = await self._store.params_key()
+        body = prefill_request(room, transfer, prefill, decode, key, self._grant_ttl_s)
         try:
             response = await self._client.post(_completions(prefill), json=body)
         except httpx.TransportError as exc:
@@ -186,7 +205,8 @@ class VllmDriver:
         self, room: RoomData, transfer: TransferId, prefill: Node, decode: Node
     ) -> tuple[list[int], str]:
         """Every token the decode returned, and why it stopped."""
-        body = decode_request(room, transfer, prefill, decode)
+        key = await self._store.params_key()
+        body = decode_request(room, transfer, prefill, decode, key, self._grant_ttl_s)
         output: list[int] = []
         published = 0
         finish_reason = None

@@ -1,12 +1,13 @@
 """What crosses between the bootstrap, vLLM's scheduler and its workers for a kvroom room.
 
-``RoomParams`` is what the bootstrap puts in a request's ``kv_transfer_params["kvroom"]``; the
-rest is what the scheduler half hands its workers each step (``StepPlan``) and what the workers
-hand back (``WorkerReport``), as plain data vLLM can carry between processes.
+``TransferGrant`` (``shared.wire.grants``) is what the bootstrap puts in a request's
+``kv_transfer_params["kvroom"]``; the rest is what the scheduler half hands its workers each step
+(``StepPlan``) and what the workers hand back (``WorkerReport``), as plain data vLLM can carry
+between processes.
 """
 
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import Any
 
 import msgspec
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -16,28 +17,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from shared.room.states import FailureReason
-from shared.wire import protocol
+from shared.wire.grants import TransferGrant
 
 
-class RoomParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One placement of a room on this server: its transfer id, which side this server is, and
-    how the other side's ranks are reached (the bootstrap's registration of them)."""
-
-    transfer: protocol.Transfer
-    role: Literal["prefill", "decode"]
-    peer_node: protocol.Text
-    peers: Annotated[list[protocol.PeerRank], msgspec.Meta(min_length=1, max_length=protocol.MAX_RANKS)]
-
-
-def room_params(kv_transfer_params: dict[str, Any] | None) -> RoomParams | None:
+def room_params(kv_transfer_params: dict[str, Any] | None) -> TransferGrant | None:
     """The request's kvroom placement, or None for a request that is not a kvroom room.
 
-    Raises ValueError for a ``kvroom`` entry that is not a placement."""
+    Raises ValueError for a ``kvroom`` entry that is not a placement; whether it is one this
+    server may act on is ``grants.refusal``'s to say."""
     raw = (kv_transfer_params or {}).get("kvroom")
     if raw is None:
         return None
     try:
-        return msgspec.convert(raw, RoomParams)
+        return msgspec.convert(raw, TransferGrant)
     except msgspec.ValidationError as exc:
         raise ValueError(f"kv_transfer_params.kvroom: {exc}") from None
 
@@ -47,7 +39,7 @@ class Load:
     """Decode: bring the prompt's KV into these blocks."""
 
     req_id: str
-    room: RoomParams
+    room: TransferGrant
     blocks: list[int]
     prompt_len: int
 
@@ -57,7 +49,7 @@ class Send:
     """Prefill: the prompt is computed; its KV is in these blocks, its first token sampled."""
 
     req_id: str
-    room: RoomParams
+    room: TransferGrant
     blocks: list[int]
     prompt_len: int
     first_token: int
@@ -73,13 +65,16 @@ class StepPlan(KVConnectorMetadata):
     stopped_loads: list[str] = field(default_factory=list)
     # Rooms this server will never load (their requests ended before their blocks were taken):
     # the prefill ranks may give their blocks back now.
-    revoked: list[RoomParams] = field(default_factory=list)
+    revoked: list[TransferGrant] = field(default_factory=list)
     # Prefill rooms whose requests ended before their KV was sent (aborted while waiting or
     # computing): their decode ranks hear at once that nothing will be written.
-    unsent: list[RoomParams] = field(default_factory=list)
+    unsent: list[TransferGrant] = field(default_factory=list)
+    # Requests whose transfer parameters this server must not act on (request -> its blocks): the
+    # workers fail them as loads, which vLLM ends with an error, never computed.
+    refused: dict[str, list[int]] = field(default_factory=dict)
     # Prefill rooms just scheduled, before their prompt is computed: a revoke for one is answered
     # at once, from the peers it names.
-    scheduled: list[RoomParams] = field(default_factory=list)
+    scheduled: list[TransferGrant] = field(default_factory=list)
 
 
 @dataclass

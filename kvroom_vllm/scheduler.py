@@ -21,7 +21,7 @@ import httpx
 import vllm
 from vllm.v1.request import Request, RequestStatus
 
-from kvroom_vllm.messages import Load, RankHandshake, RoomParams, Send, StepPlan, WorkerReport, room_params
+from kvroom_vllm.messages import Load, RankHandshake, Send, StepPlan, TransferGrant, WorkerReport, room_params
 from kvroom_vllm.settings import VllmNodeSettings
 from shared.cli import VERSION
 from shared.models.files import tokenizer_digest, weights_digest
@@ -30,7 +30,7 @@ from shared.node.membership import Membership
 from shared.node.reports import BootstrapLink
 from shared.room.record import Room, RoomTable
 from shared.room.states import FailureReason, RoomState
-from shared.wire import protocol
+from shared.wire import grants, protocol
 from shared.wire.registration import Heartbeat, ModelIdentity, NodeRegistration, RankStatus
 from shared.wire.security import ZapHandler, security_for
 from shared.wire.zmq_io import PushSockets
@@ -43,7 +43,7 @@ PROMPT_COMPUTED = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_
 
 @dataclass
 class Tracked:
-    room: RoomParams
+    room: TransferGrant
     loading: bool = False  # decode: its load was handed to the workers and has not finished
     ended: bool = False  # vLLM finished the request while its load was still going
 
@@ -56,6 +56,9 @@ class SchedulerHalf:
         self.identity = identity
         self.num_blocks = num_blocks
         self._requests: dict[str, Tracked] = {}
+        self._granted: dict[str, TransferGrant] = {}  # requests whose parameters were checked
+        self._refused: set[str] = set()  # requests whose parameters were not the bootstrap's
+        self._first_use = grants.FirstUse()
         self._plan = StepPlan()
         self._failures: dict[str, str] = {}  # decode loads that failed on some worker, until all finished
         self._ready: dict[str, int] = {}  # decode loads: the aux record digest the first worker had
@@ -161,25 +164,48 @@ class SchedulerHalf:
 
     # -- vLLM's engine thread: rooms ---------------------------------------------------
 
-    def _params(self, request: Request) -> RoomParams | None:
+    def _params(self, request: Request) -> TransferGrant | None:
+        """The request's room: None for a plain request, and for one whose transfer parameters
+        this server must not act on, which is refused (``_refused``) rather than served plain."""
+        req_id = request.request_id
+        granted = self._granted.get(req_id)
+        if granted is not None or req_id in self._refused:
+            return granted
         try:
-            room = room_params(request.kv_transfer_params)
+            grant = room_params(request.kv_transfer_params)
         except ValueError as exc:
-            log.warning("request %s is served as a plain one: %s", request.request_id, exc)
+            self._refuse(req_id, str(exc))
             return None
-        if room is not None and room.role != self.role:
-            log.warning("request %s is a %s room on a %s server", request.request_id, room.role, self.role)
+        if grant is None:
             return None
-        return room
+        key = self.membership.params_key if self._thread is not None else None
+        why = grants.refusal(grant, key, self.role, len(request.prompt_token_ids or []))
+        if why is None and not self._first_use.take(grant, req_id):
+            why = f"transfer {grant.transfer} was already taken by another request"
+        if why is not None:
+            self._refuse(req_id, why)
+            return None
+        self._granted[req_id] = grant
+        return grant
+
+    def _refuse(self, req_id: str, why: str) -> None:
+        log.warning("request %s is refused: %s", req_id, why)
+        self._refused.add(req_id)
 
     def matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        """A decode room's prompt comes from its prefill; a refused request "loads" too, so that
+        its load fails and vLLM ends it with an error before computing anything."""
         room = self._params(request)
-        if room is None or self.role != "decode" or request.request_id in self._requests:
+        refused = request.request_id in self._refused
+        if not refused and (room is None or self.role != "decode" or request.request_id in self._requests):
             return 0, False
         count = len(request.prompt_token_ids or []) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
     def allocated(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+        if request.request_id in self._refused:
+            self._plan.refused[request.request_id] = block_ids
+            return
         room = self._params(request)
         if room is not None and self.role == "prefill":
             self._plan.scheduled.append(room)
@@ -197,6 +223,10 @@ class SchedulerHalf:
     def finished(self, request: Request, block_ids: list[int]) -> bool:
         """vLLM is done with the request; True: keep its blocks until the workers say so."""
         room = self._params(request)
+        self._granted.pop(request.request_id, None)
+        if request.request_id in self._refused:
+            self._refused.discard(request.request_id)
+            return False
         if room is None:
             return False
         tracked = self._requests.get(request.request_id)

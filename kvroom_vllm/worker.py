@@ -28,7 +28,7 @@ import msgspec
 import zmq
 
 from kvroom_vllm.cores import unpinned
-from kvroom_vllm.messages import Load, RankHandshake, RoomParams, Send, StepPlan, WorkerReport
+from kvroom_vllm.messages import Load, RankHandshake, Send, StepPlan, TransferGrant, WorkerReport
 from kvroom_vllm.paged_kv import PagedKV, block_digests, host_bytes, plan_layers
 from kvroom_vllm.settings import VllmNodeSettings
 from kvroom_vllm.stats import WriteStats
@@ -122,9 +122,11 @@ class WorkerHalf:
         # Revoked before their send came, with the revoker's key (checked once the room's peers are known).
         self._revoked: dict[protocol.TransferId, set[str | None]] = {}  # revoked before the send, by whom
         # Prefill rooms scheduled whose send has not come: whom a revoke before it is answered.
-        self._scheduled: collections.OrderedDict[protocol.TransferId, RoomParams] = collections.OrderedDict()
+        self._scheduled: collections.OrderedDict[protocol.TransferId, TransferGrant] = (
+            collections.OrderedDict()
+        )
         # Sends that ended, to answer a late revocation of one (bounded).
-        self._ended_sends: collections.OrderedDict[protocol.TransferId, RoomParams] = (
+        self._ended_sends: collections.OrderedDict[protocol.TransferId, TransferGrant] = (
             collections.OrderedDict()
         )
         # What finished, taken by vLLM's thread at the end of each step.
@@ -205,6 +207,10 @@ class WorkerHalf:
         return RankHandshake(msgspec.to_builtins(peer), self.kv.num_blocks)
 
     def take_plan(self, plan: StepPlan) -> None:
+        if plan.refused:  # nothing to do but say so: vLLM ends them with an error
+            with self._lock:
+                self._finished_recving.update(plan.refused)
+                self._invalid_blocks.update(b for blocks in plan.refused.values() for b in blocks)
         if any((plan.loads, plan.sends, plan.stopped_loads, plan.revoked, plan.unsent, plan.scheduled)):
             self._loop.call_soon_threadsafe(self._take_plan, plan)
 
@@ -396,13 +402,13 @@ class WorkerHalf:
             with self._lock:
                 self._finished_sending.add(sending.send.req_id)
 
-    def _ended(self, room: RoomParams) -> None:
+    def _ended(self, room: TransferGrant) -> None:
         """Nothing more of the room is written: a request or revoke for it is answered so at once."""
         self._ended_sends[room.transfer] = room
         while len(self._ended_sends) > MAX_EARLY_REQUESTS:
             self._ended_sends.popitem(last=False)
 
-    def _unsent(self, room: RoomParams) -> None:
+    def _unsent(self, room: TransferGrant) -> None:
         """The prefill request ended before its KV was sent: its decode ranks may have their blocks
         back now, not at their lease's end."""
         if room.transfer in self._sends or room.transfer in self._ended_sends:
@@ -416,7 +422,7 @@ class WorkerHalf:
     def _released(self, sending: Sending, decode_rank: int, reason: str) -> None:
         self._release_peer(sending.send.room.transfer, sending.send.room.peers[decode_rank], reason)
 
-    def _release_to(self, room: RoomParams, sender: str | None, reason: str) -> None:
+    def _release_to(self, room: TransferGrant, sender: str | None, reason: str) -> None:
         """Tell the room's decode ranks whose key ``sender`` is (all, with None) that nothing more
         of it will be written here."""
         for peer in room.peers:
@@ -427,7 +433,7 @@ class WorkerHalf:
         msg = protocol.RoomReleased(transfer, peer.rank, self.rank, reason)
         self.push.send(peer.zmq_endpoint, peer.public_key, protocol.encode(msg))
 
-    def _revoke_all(self, room: RoomParams, reason: str) -> None:
+    def _revoke_all(self, room: TransferGrant, reason: str) -> None:
         """A decode server that will never load this room: tell its writers to stop now."""
         for peer in room.peers:
             revoke = protocol.RevokeLease(room.transfer, peer.rank, reason)

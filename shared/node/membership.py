@@ -65,6 +65,8 @@ class Membership:
             load_public_key(settings.bootstrap_public_key) if settings.bootstrap_public_key else None
         )
         self._epoch: str | None = None
+        # The cluster's key for transfer parameters (a vLLM server checks each request's with it).
+        self.params_key: bytes | None = None
         token = settings.resolved_join_token()
         self.auth = {"Authorization": f"Bearer {token}"} if token else {}
         self._json = {**self.auth, "content-type": "application/json"}
@@ -80,6 +82,8 @@ class Membership:
         reports may have been lost, every room this node knows is reported again.
         """
         registered = Registered.model_validate(answer)
+        if registered.params_key:
+            self.params_key = bytes.fromhex(registered.params_key)
         live = {b.id: b for b in registered.bootstraps}
         keys = frozenset(b.public_key for b in live.values() if b.public_key)
         if self._pinned is not None and self._pinned not in keys:

@@ -152,3 +152,15 @@ class Registered(Strict):
     unknown_transfers: list[protocol.TransferId] = Field(
         default=[], description="transfers of the heartbeat the cluster does not hold"
     )
+    params_key: str = Field(
+        default="",
+        pattern=r"^$|^[0-9a-f]{64}$",
+        description="the cluster's key for transfer parameters (hex): a vLLM server acts only on "
+        "those it signed (shared.wire.grants)",
+    )
+
+
+class ParamsKey(Strict):
+    """``GET /params-key``: the cluster's key for transfer parameters, for a vLLM API server."""
+
+    params_key: str = Field(pattern=r"^[0-9a-f]{64}$")

@@ -487,6 +487,29 @@ def test_the_epoch_holds_until_renewed(contract: Contract) -> None:
     contract(body)
 
 
+def test_the_key_for_transfer_parameters_holds(contract: Contract) -> None:
+    async def body(store: Store, heard: Heard) -> None:
+        key = await store.params_key()
+        assert len(key) == 32 and await store.params_key() == key
+
+    contract(body)
+
+
+def test_bootstraps_sharing_a_redis_sign_with_one_key(redis):
+    async def main() -> None:
+        first, second = (open_store(redis.url, 100, 60, Heard()) for _ in range(2))
+        for store in (first, second):
+            await store.start()
+        try:
+            keys = await asyncio.gather(first.params_key(), second.params_key())
+            assert keys[0] == keys[1] and len(keys[0]) == 32
+        finally:
+            for store in (first, second):
+                await store.close()
+
+    asyncio.run(main())
+
+
 def test_a_redis_restarted_under_the_store_is_used_again_at_once(redis):
     """Connections pooled before Redis restarted are dead, found so only when used: every command
     after the restart still succeeds (what the bootstrap reads right after its health says so)."""

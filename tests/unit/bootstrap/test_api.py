@@ -97,6 +97,7 @@ def test_nodes_need_the_join_token_and_never_see_it(client):
         resp = client.post("/nodes", json=registration(), headers=headers)
         assert resp.status_code == 401 and resp.headers["www-authenticate"] == "Bearer"
         assert client.put("/nodes/p0/heartbeat", json={}, headers=headers).status_code == 401
+        assert client.get("/params-key", headers=headers).status_code == 401
     assert client.get("/nodes").json() == []
     answers = [client.post("/nodes", json=registration(), headers=AUTH)]
     answers.append(client.put("/nodes/p0/heartbeat", json={}, headers=AUTH))
@@ -106,6 +107,11 @@ def test_nodes_need_the_join_token_and_never_see_it(client):
         assert JOIN not in answer.text
     (me,) = answers[0].json()["bootstraps"]
     assert me["public_key"] and me["report_endpoint"].startswith("tcp://")
+    # The key for transfer parameters goes to members only, the same in every answer.
+    key = client.get("/params-key", headers=AUTH).json()["params_key"]
+    assert answers[0].json()["params_key"] == answers[1].json()["params_key"] == key
+    for answer in answers[2:]:
+        assert key not in answer.text
 
 
 def test_client_routes_need_the_api_key_when_one_is_set():

@@ -7,13 +7,14 @@ import json
 import time
 from collections.abc import Iterator
 
+import msgspec
 import pytest
 import zmq
 
 from bootstrap.store import RoomData, Store
 from launcher.local_stack import free_port
 from shared.room.states import RoomState
-from shared.wire import protocol
+from shared.wire import grants, protocol
 from shared.wire.security import CurveKeys, Security
 from tests.support import until
 from tests.support.fake_vllm import FakeVllm
@@ -42,6 +43,7 @@ class VllmNode:
         answer = client.post("/nodes", json=self.reg, headers=AUTH)
         assert answer.status_code == 201, answer.text
         self._bootstrap = answer.json()["bootstraps"][0]
+        self.params_key = bytes.fromhex(answer.json()["params_key"])
 
     def report(self, transfer: int, state: RoomState, keys: CurveKeys | None = None) -> None:
         """A RoomReports from the scheduler's key (or ``keys``), as kvroom's connector sends it."""
@@ -117,26 +119,30 @@ def test_both_requests_go_at_once_and_the_room_completes_only_on_the_decodes_suc
         until(lambda: fake.got("d0") and fake.got("p0"), 10, "both requests")
         (prefill,) = fake.got("p0")
         assert not prefill.answered
-        assert prefill.body == {
-            "model": "reference",
-            "prompt": PROMPT,
-            "max_tokens": 1,
-            "temperature": 0,
-            "kv_transfer_params": {
-                "kvroom": {"transfer": room, "role": "prefill", "peer_node": "d0", "peers": peers(d0)}
-            },
-        }
-        assert fake.got("d0")[0].body == {
+        grant_to_p0 = prefill.body.pop("kv_transfer_params")["kvroom"]
+        assert prefill.body == {"model": "reference", "prompt": PROMPT, "max_tokens": 1, "temperature": 0}
+        decode = fake.got("d0")[0].body
+        grant_to_d0 = decode.pop("kv_transfer_params")["kvroom"]
+        assert decode == {
             "model": "reference",
             "prompt": PROMPT,
             "max_tokens": 3,
             "temperature": 0,
             "stream": True,
             "return_token_ids": True,
-            "kv_transfer_params": {
-                "kvroom": {"transfer": room, "role": "decode", "peer_node": "p0", "peers": peers(p0)}
-            },
         }
+        # Each names the transfer, the server's side and its peer's ranks, signed with the cluster's
+        # key, which both nodes got at registration.
+        assert p0.params_key == d0.params_key
+        for grant, role, peer in ((grant_to_p0, "prefill", d0), (grant_to_d0, "decode", p0)):
+            checked = msgspec.convert(grant, grants.TransferGrant)
+            assert grants.refusal(checked, p0.params_key, role, len(PROMPT)) is None
+            assert (checked.transfer, checked.peer_node, msgspec.to_builtins(checked.peers)) == (
+                room,
+                peer.id,
+                peers(peer),
+            )
+            assert grants.refusal(checked, bytes(32), role, len(PROMPT)) is not None
         fake.release("p0")
         until(lambda: prefill.answered and fake.got("d0")[0].answered, 10, "both answers")
 

@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 import pytest
 
 from kvroom_vllm.connector import KvroomConnector
-from kvroom_vllm.messages import Load, RoomParams, Send, StepPlan
+from kvroom_vllm.messages import Load, Send, StepPlan, TransferGrant
 from shared.wire import protocol
 
-ROOM = RoomParams(protocol.TransferId(5), "decode", "other", [])
+ROOM = TransferGrant(protocol.TransferId(5), "decode", "other", [], prompt_len=8, expires=0.0)
 
 
 @dataclass

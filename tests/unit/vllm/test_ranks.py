@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kvroom_vllm.messages import Load, RoomParams, Send, StepPlan
+from kvroom_vllm.messages import Load, Send, StepPlan, TransferGrant
 from kvroom_vllm.paged_kv import PagedKV, block_digests, paged_kv
 from kvroom_vllm.settings import settings_from
 from kvroom_vllm.worker import WorkerHalf
@@ -81,8 +81,8 @@ class HeldDoneAux(WorkerHalf):
         self.held.append((peer, done, record))
 
 
-def room(role: str, peer: protocol.PeerRank) -> RoomParams:
-    return RoomParams(TRANSFER, role, "other", [peer])  # type: ignore[arg-type]
+def room(role: str, peer: protocol.PeerRank) -> TransferGrant:
+    return TransferGrant(TRANSFER, role, "other", [peer], prompt_len=TOKENS, expires=0.0)  # type: ignore[arg-type]
 
 
 def load(decode: Rank, prefill: Rank, req_id: str = "d-1", dst=(2, 9, 11)) -> None:
@@ -400,6 +400,21 @@ def test_a_request_that_came_early_keeps_the_start_deadline_of_its_arrival():
             threading.Event().wait(0.35)  # its write queued past arrival + T, not past send + T
         until(lambda: "p-1" in prefill.poll().sending, timeout=3)
         assert not prefill.half.engine.writes  # type: ignore[attr-defined]
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_a_refused_request_fails_as_a_load_on_every_rank_and_nothing_is_asked_of_any_peer():
+    directory: dict = {}
+    prefill, decode = Rank("prefill", directory), Rank("decode", directory)
+    try:
+        # On a decode, and on a prefill: the blocks vLLM gave the request come back failed.
+        for rank in (decode, prefill):
+            rank.half.take_plan(StepPlan(refused={"f-1": [2, 3]}))
+            rank.poll()
+            assert rank.recving == {"f-1"} and rank.invalid == {2, 3} and rank.failed == {}
+        assert not prefill.half.engine.writes and not decode.half._loads  # type: ignore[attr-defined]
     finally:
         prefill.close()
         decode.close()

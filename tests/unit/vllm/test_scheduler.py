@@ -1,6 +1,7 @@
 """The connector's scheduler half: which requests load, what each step's plan holds, and what the
 node reports, with vLLM's requests and outputs as plain objects (no vLLM engine here)."""
 
+import time
 from types import SimpleNamespace
 
 import msgspec
@@ -12,7 +13,7 @@ from kvroom_vllm.scheduler import SchedulerHalf
 from kvroom_vllm.settings import settings_from
 from launcher.local_stack import free_port
 from shared.room.states import RoomState
-from shared.wire import protocol
+from shared.wire import grants, protocol
 from shared.wire.registration import ModelIdentity
 from tests.support import until
 
@@ -33,15 +34,15 @@ IDENTITY = ModelIdentity(
 )
 
 
-def params(transfer: int, role: str) -> dict:
-    return {
-        "kvroom": {
-            "transfer": transfer,
-            "role": role,
-            "peer_node": "other",
-            "peers": [msgspec.to_builtins(PEER)],
-        }
-    }
+KEY = bytes(range(32))  # the cluster's key, as the bootstrap's answers give it
+
+
+def params(
+    transfer: int, role: str, prompt: int = 300, key: bytes = KEY, ttl_s: float = 60.0, **changed
+) -> dict:
+    """A request's transfer parameters as the bootstrap signs them; ``changed`` fields after signing."""
+    grant = grants.TransferGrant(transfer, role, "other", [PEER], prompt, time.time() + ttl_s)  # type: ignore[arg-type]
+    return {"kvroom": {**msgspec.to_builtins(grants.sign(grant, key)), **changed}}
 
 
 def request(
@@ -81,6 +82,7 @@ def half(request):
     )
     h = SchedulerHalf(IDENTITY, settings, role, 4096)
     h.start({0: RankHandshake(msgspec.to_builtins(PEER), 4096)})
+    h.membership.params_key = KEY
     yield h
     h.close()
 
@@ -94,8 +96,6 @@ def state(half: SchedulerHalf, transfer: int) -> RoomState | None:
 def test_a_decode_room_loads_its_whole_prompt_once_and_is_success_only_when_every_worker_finished(half):
     plain, room = request("plain", None), request("r1", params(11, "decode"))
     assert half.matched_tokens(plain, 0) == (0, False)
-    assert half.matched_tokens(request("bad", {"kvroom": {"transfer": 0}}), 0) == (0, False)
-    assert half.matched_tokens(request("other", params(12, "prefill")), 0) == (0, False)
     assert half.matched_tokens(room, 128) == (300 - 128, True)
     half.allocated(room, [7, 8], 172)
     half.allocated(room, [7, 8, 9], 0)  # vLLM's second call, after the load: nothing more
@@ -180,3 +180,59 @@ def test_workers_ready_with_one_record_succeed(half):
     half.allocated(room, [1], 300)
     half.took_output(output(recving={"r1"}, ready={"r1": 7}))
     until(lambda: state(half, 24) is RoomState.SUCCESS)
+
+
+FORGED = {
+    "unsigned": params(51, "decode", signature=""),
+    "another key": params(51, "decode", key=bytes(32)),
+    "peers changed": params(51, "decode", peers=[msgspec.to_builtins(PEER)] * 2),
+    "transfer changed": {"kvroom": {**params(52, "decode")["kvroom"], "transfer": 51}},
+    "expired": params(51, "decode", ttl_s=-1.0),
+    "for a prefill": params(51, "prefill"),
+    "another prompt": params(51, "decode", prompt=299),
+    "not a grant": {"kvroom": {"transfer": 51}},
+}
+
+
+@pytest.mark.parametrize("half", ["decode"], indirect=True)
+@pytest.mark.parametrize("kvroom", FORGED.values(), ids=FORGED.keys())
+def test_a_request_whose_parameters_the_bootstrap_did_not_issue_fails_as_a_load_and_is_no_room(half, kvroom):
+    forged = request("f1", kvroom)
+    # It "loads" its whole prompt, so that it fails before anything is computed, not served plain.
+    assert half.matched_tokens(forged, 0) == (300, True)
+    half.allocated(forged, [4, 5], 300)
+    plan = half.step_plan()
+    assert plan.refused == {"f1": [4, 5]} and plan.loads == [] and plan.scheduled == []
+    half.took_output(output(recving={"f1"}))
+    assert half.finished(forged, [4, 5]) is False
+    plan = half.step_plan()
+    assert plan.revoked == [] and plan.stopped_loads == []  # no peer hears of it
+    assert half.rooms.find(protocol.TransferId(51)) is None
+    assert half._refused == set() and half._granted == {}
+
+
+@pytest.mark.parametrize("half", ["decode"], indirect=True)
+def test_a_grant_replayed_by_a_second_request_is_refused_and_the_first_room_goes_on(half):
+    grant = params(61, "decode")
+    first, replay = request("r1", grant), request("r2", grant)
+    assert half.matched_tokens(first, 0) == (300, True)
+    half.allocated(first, [1], 300)
+    assert half.matched_tokens(replay, 0) == (300, True)
+    half.allocated(replay, [2], 300)
+    assert half.finished(replay, [2]) is False  # ending the replay revokes nothing of the room
+    plan = half.step_plan()
+    assert [load.req_id for load in plan.loads] == ["r1"] and plan.refused == {"r2": [2]}
+    assert plan.revoked == [] and plan.stopped_loads == []
+    half.took_output(output(recving={"r1"}))
+    until(lambda: state(half, 61) is RoomState.SUCCESS)
+
+
+@pytest.mark.parametrize("half", ["prefill"], indirect=True)
+def test_a_prefill_request_with_forged_parameters_is_never_computed_or_sent(half):
+    forged = request("p1", params(71, "prefill", key=bytes(32)), status=RequestStatus.FINISHED_LENGTH_CAPPED)
+    forged.output_token_ids = [99]
+    assert half.matched_tokens(forged, 0) == (300, True)
+    half.allocated(forged, [3], 300)
+    assert half.finished(forged, [3]) is False
+    plan = half.step_plan()
+    assert plan.refused == {"p1": [3]} and plan.sends == [] and plan.scheduled == [] and plan.unsent == []
