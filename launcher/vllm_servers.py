@@ -23,6 +23,8 @@ from launcher.local_stack import LocalStack, Service, free_port
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 CONNECTOR = {"kv_connector": "KvroomConnector", "kv_connector_module_path": "kvroom_vllm.connector"}
+# The API server's check of transfer parameters, for a server with kvroom's connector.
+GUARD = "kvroom_vllm.guard.TransferParamsGuard"
 
 
 def _until(predicate: Callable[[], Any], timeout: float, what: str) -> None:
@@ -83,6 +85,8 @@ class VllmServer:
         ]
         if self.transfer_config is not None:
             args += ["--kv-transfer-config", json.dumps(self.transfer_config)]
+            if self.transfer_config["kv_connector"] == CONNECTOR["kv_connector"]:
+                args += ["--middleware", GUARD]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 args, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT, start_new_session=True

@@ -5,8 +5,10 @@ A fake for unit tests of the logic above the engine lives in ``tests/fakes.py``.
 
 import abc
 import collections
+import concurrent.futures
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterable, Iterator, MutableMapping, Sequence
 from dataclasses import dataclass, field
@@ -170,6 +172,9 @@ class MooncakeEngine(TransferEngine):
         # it waits for. RDMA and NVLink move bytes in hardware, where spinning notices
         # completion soonest.
         self._polled = transport == "tcp"
+        self.hung_writes = (
+            0  # blocking writes given up on at their deadline, their threads still in the engine
+        )
 
     @property
     def session_id(self) -> str:
@@ -183,15 +188,45 @@ class MooncakeEngine(TransferEngine):
     def write(self, peer_session: str, writes: Iterable[Write], timeout_s: float = WRITE_TIMEOUT_S) -> int:
         if self._polled:
             return self.write_polled(peer_session, writes, timeout_s)
-        return self.write_blocking(peer_session, writes)
+        return self.write_blocking(peer_session, writes, timeout_s)
 
-    def write_blocking(self, peer_session: str, writes: Iterable[Write]) -> int:
-        """The engine's own blocking batch call, which spins until the batch completed.
+    def write_blocking(
+        self, peer_session: str, writes: Iterable[Write], timeout_s: float = WRITE_TIMEOUT_S
+    ) -> int:
+        """The engine's own blocking batch call, which spins until the batch completed, on a
+        thread of its own that is waited for until the deadline.
 
-        Its failure does not say whether it failed or gave up on writes still
-        moving, and its ids cannot be asked after: a failure is unresolved.
+        The engine's call has no deadline of its own (RDMA, NVLink): one that hangs is given up
+        on, WriteUnresolved, and its thread is left to it instead of the caller, whose other
+        writes go on. Its failure does not say whether it failed or gave up on writes still
+        moving, and its ids cannot be asked after: a failure is unresolved too.
         """
         batch = list(writes)
+        outcome: concurrent.futures.Future[int] = concurrent.futures.Future()
+
+        def call() -> None:
+            try:
+                outcome.set_result(self._write_batches(peer_session, batch))
+            except BaseException as exc:  # the caller gets whatever ended it
+                outcome.set_exception(exc)
+
+        threading.Thread(target=call, name="kvroom-blocking-write", daemon=True).start()
+        deadline_s = timeout_s + total_bytes(batch) / 1e9
+        try:
+            return outcome.result(timeout=deadline_s)
+        except concurrent.futures.TimeoutError:
+            self.hung_writes += 1
+            log.error(
+                "a write of %d entries to %s hung past %.1fs: left to its thread",
+                len(batch),
+                peer_session,
+                deadline_s,
+            )
+            raise WriteUnresolved(
+                f"write of {len(batch)} entries to {peer_session} still out after {deadline_s:.1f}s", []
+            ) from None
+
+    def _write_batches(self, peer_session: str, batch: list[Write]) -> int:
         total = 0
         for start in range(0, len(batch), MAX_BATCH_ENTRIES):
             chunk = batch[start : start + MAX_BATCH_ENTRIES]

@@ -7,10 +7,13 @@ Each server holds its core busy while it lives: the plain one runs alone, before
 import concurrent.futures
 import json
 import random
+import time
 
 import httpx
+import msgspec
 import pytest
 
+from shared.wire import grants, protocol
 from tests.support import until
 from tests.support.vllm_servers import VLLM_PYTHON, VllmCluster, VllmServer, tiny_llama
 
@@ -141,6 +144,45 @@ def test_a_streamed_completion_equals_the_whole_one_and_a_chat_completion_equals
         answer = client.post("/v1/chat/completions", json={**CHAT, "model": model.name})
         assert answer.status_code == 200, answer.text
         assert output_ids(client, answer.json()) == plain["chat"]
+
+
+def test_transfer_parameters_the_bootstrap_did_not_issue_are_refused_and_nothing_is_computed(cluster, model):
+    """A client of a server's OpenAI port that knows the cluster (``/nodes`` is open) names a
+    transfer and the other server's real ranks, but cannot sign them."""
+    prefill, decode = cluster.servers
+    nodes = {n["node_id"]: n for n in cluster.nodes()}
+    prompt = list(range(3, 40))
+
+    def forged(role: str, peer: VllmServer, key: bytes = bytes(32), **changed: object) -> dict:
+        ranks = [
+            protocol.PeerRank(**{k: v for k, v in r.items() if k not in ("alive", "free_pages")})
+            for r in nodes[peer.name]["ranks"]
+        ]
+        grant = grants.TransferGrant(12345, role, peer.name, ranks, len(prompt), time.time() + 60)  # type: ignore[arg-type]
+        kvroom = {**msgspec.to_builtins(grants.sign(grant, key)), **changed}
+        return {
+            "model": model.name,
+            "prompt": prompt,
+            "max_tokens": 4,
+            "kv_transfer_params": {"kvroom": kvroom},
+        }
+
+    computed = [s.metric("vllm:prompt_tokens_total") for s in (prefill, decode)]
+    cases = [
+        (prefill, forged("prefill", decode), 403, "not signed by the cluster's bootstrap"),
+        (decode, forged("decode", prefill), 403, "not signed by the cluster's bootstrap"),
+        (prefill, forged("prefill", decode, signature=""), 403, "not signed by the cluster's bootstrap"),
+        (prefill, forged("prefill", decode, peers=[]), 400, "not a transfer grant"),
+    ]
+    for server, body, status, reason in cases:
+        answer = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
+        assert answer.status_code == status, answer.text
+        assert reason in answer.json()["error"]["message"]
+    # Not run, and not run as a plain request: neither server computed a prompt token.
+    assert [s.metric("vllm:prompt_tokens_total") for s in (prefill, decode)] == computed
+    with cluster.client() as client:  # rooms the bootstrap placed go on
+        answer = complete(client, model.name, prompt)
+        assert len(output_ids(client, answer)) == MAX_TOKENS
 
 
 def test_a_server_that_stops_leaves_the_cluster_before_it_exits(cluster):

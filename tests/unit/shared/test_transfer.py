@@ -4,6 +4,9 @@ The engine's binding is replaced by scripted stand-ins, so these tests say nothi
 transfers (the integration tests do); they pin down what the wrapper does with what it is told.
 """
 
+import concurrent.futures
+import threading
+
 import pytest
 import torch
 
@@ -108,6 +111,7 @@ def scripted_engine(binding: object, polled: bool = True) -> MooncakeEngine:
     engine = object.__new__(MooncakeEngine)  # no real engine: the binding is scripted
     engine._engine = binding
     engine._polled = polled
+    engine.hung_writes = 0
     return engine
 
 
@@ -231,6 +235,36 @@ def test_a_failed_blocking_write_is_unresolved_and_stops():
         scripted_engine(binding, polled=False).write("peer", writes)
     assert info.value.pending == []  # the blocking call's ids cannot be asked after
     assert binding.calls == [("batch", MAX_BATCH_ENTRIES)]
+
+
+class HangingBinding(BlockingBinding):
+    """A blocking call to ``hung`` that never returns until the test lets it (an RDMA peer gone dark)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.let_go = threading.Event()
+
+    def transfer_sync_write(self, peer: str, src: int, dst: int, length: int) -> int:
+        if peer == "hung":
+            self.let_go.wait(30)
+        return super().transfer_sync_write(peer, src, dst, length)
+
+
+def test_a_hung_blocking_write_is_given_up_at_its_deadline_and_the_next_write_goes_on():
+    binding = HangingBinding()
+    engine = scripted_engine(binding, polled=False)
+    caller = concurrent.futures.ThreadPoolExecutor(1)  # one thread, as a rank's writes share a few
+    try:
+        hung = caller.submit(engine.write, "hung", [(0, 0, 3)], 0.2)
+        with pytest.raises(WriteUnresolved) as info:
+            hung.result(timeout=10)
+        assert info.value.pending == [] and engine.hung_writes == 1
+        # The caller's thread is free again: the next write, to a live peer, completes.
+        assert caller.submit(engine.write, "live", [(0, 0, 3)], 5.0).result(timeout=10) == 3
+        assert binding.calls == [("one", 1)]
+    finally:
+        binding.let_go.set()
+        caller.shutdown()
 
 
 def test_jobs_together_are_all_submitted_before_any_is_waited_for():
