@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Iterator
 
+import msgspec
 import pytest
 import torch
 
@@ -19,6 +20,7 @@ from kvroom_vllm.worker import WorkerHalf
 from launcher.local_stack import free_port
 from shared.kv.aux_buffers import AUX_RECORD
 from shared.kv.head_split import HeadRange
+from shared.kv.transfer import MooncakeEngine
 from shared.room.states import FailureReason
 from shared.wire import protocol
 from tests.support import until
@@ -416,5 +418,68 @@ def test_a_refused_request_fails_as_a_load_on_every_rank_and_nothing_is_asked_of
             assert rank.recving == {"f-1"} and rank.invalid == {2, 3} and rank.failed == {}
         assert not prefill.half.engine.writes and not decode.half._loads  # type: ignore[attr-defined]
     finally:
+        prefill.close()
+        decode.close()
+
+
+class DarkPeerBinding:
+    """The engine's blocking calls as RDMA makes them: bytes copied, except that the first
+    ``hang`` calls never return until the test ends (a peer gone dark mid-write)."""
+
+    def __init__(self, hang: int):
+        self.hang = hang
+        self.calls = 0
+        self.let_go = threading.Event()
+
+    def register_memory(self, ptr: int, nbytes: int) -> int:
+        return 0
+
+    def _call(self, writes: list[tuple[int, int, int]]) -> int:
+        self.calls += 1
+        if self.calls <= self.hang:
+            self.let_go.wait(30)
+            return -1
+        for src, dst, length in writes:
+            ctypes.memmove(dst, src, length)
+        return 0
+
+    def transfer_sync_write(self, peer: str, src: int, dst: int, length: int) -> int:
+        return self._call([(src, dst, length)])
+
+    def batch_transfer_sync_write(self, peer: str, src: list, dst: list, lengths: list) -> int:
+        return self._call(list(zip(src, dst, lengths, strict=True)))
+
+
+def test_hung_blocking_writes_end_at_their_deadline_and_the_ranks_next_send_lands():
+    binding = DarkPeerBinding(hang=2)  # as many as the rank has write threads
+
+    def engine(role: str, directory: dict) -> MooncakeEngine:
+        blocking = object.__new__(MooncakeEngine)  # the wrapper's blocking path over the binding above
+        blocking._engine, blocking._polled, blocking.hung_writes = binding, False, 0
+        blocking._session_id = f"{role}:1"
+        return blocking
+
+    directory: dict = {}
+    prefill = Rank("prefill", directory, engine=engine, transfer_timeout_s=0.3, lease_timeout_s=0.3)  # type: ignore[arg-type]
+    decode = Rank("decode", directory, transfer_timeout_s=30.0, lease_timeout_s=30.0)
+    try:
+        prefill.whole[:, [0, 1]] = torch.randn(LAYERS, 2, HEADS, TOKENS, CHANNELS)
+        for n, (src, dst) in enumerate([((5,), (2,)), ((6,), (9,)), ((0, 1), (3, 4))]):
+            transfer = protocol.TransferId(TRANSFER + n)
+            grant = msgspec.structs.replace(room("decode", prefill.peer), transfer=transfer)
+            decode.half.take_plan(StepPlan(loads=[Load(f"d-{n}", grant, list(dst), PROMPT)]))
+            until(lambda transfer=transfer: transfer in prefill.half._early)
+            grant = msgspec.structs.replace(room("prefill", decode.peer), transfer=transfer)
+            prefill.half.take_plan(StepPlan(sends=[Send(f"p-{n}", grant, list(src), PROMPT, first_token=42)]))
+        # The two hung writes were given up on, and the third send took a write thread and landed.
+        until(lambda: "d-2" in decode.poll().recving, timeout=10)
+        assert "d-2" not in decode.failed
+        assert torch.equal(decode.whole[:, [3, 4]], prefill.whole[:, [0, 1]])
+        assert prefill.half.engine.hung_writes == 2  # type: ignore[union-attr]
+        # vLLM gets every block back: the hung ones once the lease a late write could land in ran out.
+        until(lambda: {"p-0", "p-1", "p-2"} <= prefill.poll().sending, timeout=10)
+        assert not {"d-0", "d-1"} & decode.recving  # the decode still waits for theirs (its own timeout)
+    finally:
+        binding.let_go.set()
         prefill.close()
         decode.close()
