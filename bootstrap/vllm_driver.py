@@ -55,16 +55,19 @@ class AttemptFailed(KvroomError):
 
 
 def transfer_params(
-    transfer: TransferId, role: str, peer: Node, prompt_len: int, key: bytes, ttl_s: float
+    room: RoomData, transfer: TransferId, role: str, node: Node, peer: Node, key: bytes, ttl_s: float
 ) -> dict[str, Any]:
-    """What kvroom's connector in vLLM reads from a request: the transfer and the peer node's ranks,
-    signed with the cluster's key (the connector acts on nothing else), good for ``ttl_s``."""
+    """What kvroom's connector in vLLM reads from a request to ``node``: the transfer and the peer
+    node's ranks, signed with the cluster's key (the connector acts on nothing else), good for
+    ``ttl_s``."""
     grant = grants.TransferGrant(
         transfer=transfer,
         role=role,  # type: ignore[arg-type]
+        node=node.id,
         peer_node=peer.id,
         peers=peer.peers,
-        prompt_len=prompt_len,
+        prompt_len=len(room.input_ids),
+        prompt_digest=grants.prompt_digest(room.input_ids),
         expires=time.time() + ttl_s,
     )
     return {"kvroom": msgspec.to_builtins(grants.sign(grant, key))}
@@ -78,7 +81,7 @@ def prefill_request(
         "prompt": room.input_ids,
         "max_tokens": 1,
         "temperature": 0,
-        "kv_transfer_params": transfer_params(transfer, "prefill", decode, len(room.input_ids), key, ttl_s),
+        "kv_transfer_params": transfer_params(room, transfer, "prefill", prefill, decode, key, ttl_s),
     }
 
 
@@ -92,7 +95,7 @@ def decode_request(
         "temperature": 0,
         "stream": True,
         "return_token_ids": True,
-        "kv_transfer_params": transfer_params(transfer, "decode", prefill, len(room.input_ids), key, ttl_s),
+        "kv_transfer_params": transfer_params(room, transfer, "decode", decode, prefill, key, ttl_s),
     }
     if room.stop:
         # The stop string stays in the output, as a kvroom decode's does: the API cuts the text.

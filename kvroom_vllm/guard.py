@@ -58,6 +58,8 @@ class TransferParamsGuard:
             await self.app(scope, receive, send)
             return
         body = await _body(receive)
+        if body is None:
+            return  # the client left before its body was in
         try:
             await self._check(scope, body)
         except Refused as exc:
@@ -73,21 +75,23 @@ class TransferParamsGuard:
             return  # vLLM answers a body that is not JSON itself
         if not isinstance(request, dict):
             return
+        xargs = request.get("vllm_xargs")
+        if isinstance(xargs, dict) and "kv_transfer_params" in xargs:
+            raise Refused(400, "kv_transfer_params go at the top of the request, not in vllm_xargs")
         try:
             grant = room_params(request.get("kv_transfer_params"))
-        except (ValueError, AttributeError) as exc:
+        except ValueError as exc:
             raise Refused(400, f"kv_transfer_params.kvroom is not a transfer grant: {exc}") from None
         if grant is None:
             return
         prompt = request.get("prompt")
-        prompt_len = (
-            len(prompt) if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) else None
-        )
-        why = grants.refusal(grant, await self._key_for(scope), self._role, prompt_len)
+        tokens = prompt if isinstance(prompt, list) and all(type(t) is int for t in prompt) else None
+        now = time.time()
+        why = grants.refusal(grant, await self._key_for(scope), self._role, tokens, now=now)
         if why is not None and time.monotonic() - self._asked_at > KEY_RETRY_S:
             # The bootstrap may have a new key (a restarted cluster with a store of its own).
-            why = grants.refusal(grant, await self._key_for(scope, renew=True), self._role, prompt_len)
-        if why is None and not self._first_use.take(grant, uuid.uuid4().hex):
+            why = grants.refusal(grant, await self._key_for(scope, renew=True), self._role, tokens, now=now)
+        if why is None and not self._first_use.take(grant, uuid.uuid4().hex, now):
             why = f"transfer {grant.transfer} was already taken by another request"
         if why is not None:
             raise Refused(403, why)
@@ -109,20 +113,18 @@ class TransferParamsGuard:
                 resp.raise_for_status()
                 self._key = bytes.fromhex(ParamsKey.model_validate(resp.json()).params_key)
             except (httpx.HTTPError, ValueError) as exc:
-                if self._key is None:
-                    raise Refused(
-                        503, f"cannot check transfer parameters: the bootstrap's key: {exc}"
-                    ) from exc
-                log.warning("could not ask the bootstrap for its key again: %s", exc)
+                log.warning("could not ask the bootstrap for its key: %s", exc)
+                if self._key is None:  # the client hears no more: the bootstrap's address is internal
+                    raise Refused(503, "cannot check transfer parameters: no key from the bootstrap") from exc
         return self._key
 
 
-async def _body(receive: Receive) -> bytes:
+async def _body(receive: Receive) -> bytes | None:
     chunks = []
     while True:
         message = await receive()
         if message["type"] != "http.request":
-            break
+            return None
         chunks.append(message.get("body", b""))
         if not message.get("more_body", False):
             break

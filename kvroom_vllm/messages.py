@@ -25,7 +25,11 @@ def room_params(kv_transfer_params: dict[str, Any] | None) -> TransferGrant | No
 
     Raises ValueError for a ``kvroom`` entry that is not a placement; whether it is one this
     server may act on is ``grants.refusal``'s to say."""
-    raw = (kv_transfer_params or {}).get("kvroom")
+    if kv_transfer_params is None:
+        return None
+    if not isinstance(kv_transfer_params, dict):
+        raise ValueError("kv_transfer_params is not an object")
+    raw = kv_transfer_params.get("kvroom")
     if raw is None:
         return None
     try:

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -178,9 +179,10 @@ class SchedulerHalf:
             return None
         if grant is None:
             return None
-        key = self.membership.params_key if self._thread is not None else None
-        why = grants.refusal(grant, key, self.role, len(request.prompt_token_ids or []))
-        if why is None and not self._first_use.take(grant, req_id):
+        key = self.membership.params_key if hasattr(self, "membership") else None
+        now = time.time()
+        why = grants.refusal(grant, key, self.role, list(request.prompt_token_ids or []), self.node_id, now)
+        if why is None and not self._first_use.take(grant, req_id, now):
             why = f"transfer {grant.transfer} was already taken by another request"
         if why is not None:
             self._refuse(req_id, why)

@@ -46,8 +46,12 @@ def tiny_llama(directory: Path, *extra: str) -> Path:
 
 
 class VllmServer:
-    def __init__(self, name: str, model: Path, log_dir: Path, core: int, env: dict[str, str] | None = None):
+    def __init__(
+        self, name: str, model: Path, log_dir: Path, core: int, env: dict[str, str] | None = None, tp: int = 1
+    ):
+        """``core``: the core its worker binds to; with ``tp`` workers, ``core`` to ``core + tp - 1``."""
         self.name = name
+        self.tp = tp
         self.model = model
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -56,7 +60,7 @@ class VllmServer:
             **{k: v for k, v in os.environ.items() if not k.startswith(("KVROOM_", "VLLM_"))},
             "PYTHONPATH": str(ROOT),  # a test's own connector (tests.support) loads too
             "VLLM_CPU_KVCACHE_SPACE": "1",
-            "VLLM_CPU_OMP_THREADS_BIND": str(core),
+            "VLLM_CPU_OMP_THREADS_BIND": "|".join(str(core + r) for r in range(tp)),
             **(env or {}),
         }
         self.transfer_config: dict[str, object] | None = None
@@ -82,6 +86,7 @@ class VllmServer:
             # A stopping server finishes its requests, then shuts its engine down (the connector
             # leaves the cluster then); vLLM's default, 0, kills the engine at once.
             *("--shutdown-timeout", "10"),
+            *("--tensor-parallel-size", str(self.tp)),
         ]
         if self.transfer_config is not None:
             args += ["--kv-transfer-config", json.dumps(self.transfer_config)]
@@ -162,11 +167,11 @@ class VllmCluster:
         self.bootstrap: Service = self.stack.bootstrap
         self.servers: list[VllmServer] = []
 
-    def server(self, role: str, node_id: str, core: int, **extra: object) -> VllmServer:
+    def server(self, role: str, node_id: str, core: int, tp: int = 1, **extra: object) -> VllmServer:
         kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
         env = {"KVROOM_JOIN_TOKEN": self.stack.join_token or "", **self.env}
         settings = {"bootstrap_url": self.bootstrap.url, "node_id": node_id, **extra}
-        server = VllmServer(node_id, self.model, self.log_dir, core, env)
+        server = VllmServer(node_id, self.model, self.log_dir, core, env, tp)
         self.servers.append(server.with_connector(kv_role, settings, self.connector))
         return server
 
@@ -174,8 +179,8 @@ class VllmCluster:
         """The bootstrap, then a prefill and a decode server at once; both registered."""
         self.bootstrap.start()
         self.bootstrap.wait_healthy(registered=False)
-        prefill = self.server("prefill", "vllm-prefill-0", 0, **extra).start()
-        decode = self.server("decode", "vllm-decode-0", 1, **extra).start()
+        prefill = self.server("prefill", "vllm-prefill-0", 0, 1, **extra).start()
+        decode = self.server("decode", "vllm-decode-0", 1, 1, **extra).start()
         for server in (prefill, decode):
             server.wait_ready()
             self.wait_registered(server.name)

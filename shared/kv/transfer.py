@@ -172,9 +172,8 @@ class MooncakeEngine(TransferEngine):
         # it waits for. RDMA and NVLink move bytes in hardware, where spinning notices
         # completion soonest.
         self._polled = transport == "tcp"
-        self.hung_writes = (
-            0  # blocking writes given up on at their deadline, their threads still in the engine
-        )
+        # Blocking writes given up on at their deadline, whose threads were still in the engine.
+        self.hung_writes = 0
 
     @property
     def session_id(self) -> str:
@@ -203,10 +202,11 @@ class MooncakeEngine(TransferEngine):
         """
         batch = list(writes)
         outcome: concurrent.futures.Future[int] = concurrent.futures.Future()
+        given_up = threading.Event()  # once set, the thread starts no more of the batch
 
         def call() -> None:
             try:
-                outcome.set_result(self._write_batches(peer_session, batch))
+                outcome.set_result(self._write_batches(peer_session, batch, given_up))
             except BaseException as exc:  # the caller gets whatever ended it
                 outcome.set_exception(exc)
 
@@ -215,6 +215,7 @@ class MooncakeEngine(TransferEngine):
         try:
             return outcome.result(timeout=deadline_s)
         except concurrent.futures.TimeoutError:
+            given_up.set()
             self.hung_writes += 1
             log.error(
                 "a write of %d entries to %s hung past %.1fs: left to its thread",
@@ -226,9 +227,11 @@ class MooncakeEngine(TransferEngine):
                 f"write of {len(batch)} entries to {peer_session} still out after {deadline_s:.1f}s", []
             ) from None
 
-    def _write_batches(self, peer_session: str, batch: list[Write]) -> int:
+    def _write_batches(self, peer_session: str, batch: list[Write], given_up: threading.Event) -> int:
         total = 0
         for start in range(0, len(batch), MAX_BATCH_ENTRIES):
+            if given_up.is_set():
+                raise WriteUnresolved(f"write to {peer_session} given up at its deadline", [])
             chunk = batch[start : start + MAX_BATCH_ENTRIES]
             src, dst, lengths = (list(col) for col in zip(*chunk, strict=True))
             if len(chunk) == 1:

@@ -158,7 +158,17 @@ def test_transfer_parameters_the_bootstrap_did_not_issue_are_refused_and_nothing
             protocol.PeerRank(**{k: v for k, v in r.items() if k not in ("alive", "free_pages")})
             for r in nodes[peer.name]["ranks"]
         ]
-        grant = grants.TransferGrant(12345, role, peer.name, ranks, len(prompt), time.time() + 60)  # type: ignore[arg-type]
+        node = decode.name if peer is prefill else prefill.name
+        grant = grants.TransferGrant(
+            12345,
+            role,
+            node,
+            peer.name,
+            ranks,
+            len(prompt),
+            grants.prompt_digest(prompt),
+            time.time() + 60,  # type: ignore[arg-type]
+        )
         kvroom = {**msgspec.to_builtins(grants.sign(grant, key)), **changed}
         return {
             "model": model.name,

@@ -136,13 +136,15 @@ def test_both_requests_go_at_once_and_the_room_completes_only_on_the_decodes_suc
         assert p0.params_key == d0.params_key
         for grant, role, peer in ((grant_to_p0, "prefill", d0), (grant_to_d0, "decode", p0)):
             checked = msgspec.convert(grant, grants.TransferGrant)
-            assert grants.refusal(checked, p0.params_key, role, len(PROMPT)) is None
+            node = p0.id if role == "prefill" else d0.id
+            assert grants.refusal(checked, p0.params_key, role, PROMPT, node) is None
             assert (checked.transfer, checked.peer_node, msgspec.to_builtins(checked.peers)) == (
                 room,
                 peer.id,
                 peers(peer),
             )
-            assert grants.refusal(checked, bytes(32), role, len(PROMPT)) is not None
+            assert grants.refusal(checked, bytes(32), role, PROMPT, node) is not None
+            assert grants.refusal(checked, p0.params_key, role, PROMPT, peer.id) is not None
         fake.release("p0")
         until(lambda: prefill.answered and fake.got("d0")[0].answered, 10, "both answers")
 

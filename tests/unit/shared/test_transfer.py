@@ -249,6 +249,11 @@ class HangingBinding(BlockingBinding):
             self.let_go.wait(30)
         return super().transfer_sync_write(peer, src, dst, length)
 
+    def batch_transfer_sync_write(self, peer: str, src: list[int], dst: list[int], lengths: list[int]) -> int:
+        if peer == "hung":
+            self.let_go.wait(30)
+        return super().batch_transfer_sync_write(peer, src, dst, lengths)
+
 
 def test_a_hung_blocking_write_is_given_up_at_its_deadline_and_the_next_write_goes_on():
     binding = HangingBinding()
@@ -265,6 +270,20 @@ def test_a_hung_blocking_write_is_given_up_at_its_deadline_and_the_next_write_go
     finally:
         binding.let_go.set()
         caller.shutdown()
+
+
+def test_a_blocking_write_given_up_starts_no_more_of_its_batch_once_its_call_returns():
+    binding = HangingBinding()
+    engine = scripted_engine(binding, polled=False)
+    try:
+        with pytest.raises(WriteUnresolved):
+            engine.write("hung", [(i, i, 3) for i in range(2 * MAX_BATCH_ENTRIES)], 0.2)
+    finally:
+        binding.let_go.set()
+    for thread in threading.enumerate():
+        if thread.name == "kvroom-blocking-write":
+            thread.join(10)
+    assert binding.calls == [("batch", MAX_BATCH_ENTRIES)]  # the second half never went out
 
 
 def test_jobs_together_are_all_submitted_before_any_is_waited_for():

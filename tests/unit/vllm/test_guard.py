@@ -85,7 +85,17 @@ def vllm_app(bootstrap_url: str, seen: list[dict]) -> Starlette:
 
 
 def body(key: bytes, transfer: int = 9, role: str = "prefill", prompt: int = 5, ttl_s: float = 60.0) -> dict:
-    grant = grants.TransferGrant(transfer, role, "d0", [PEER], prompt, time.time() + ttl_s)  # type: ignore[arg-type]
+    tokens = list(range(prompt))
+    grant = grants.TransferGrant(
+        transfer,
+        role,
+        "p0",
+        "d0",
+        [PEER],
+        prompt,
+        grants.prompt_digest(tokens),
+        time.time() + ttl_s,  # type: ignore[arg-type]
+    )
     signed = msgspec.to_builtins(grants.sign(grant, key))
     return {
         "model": "m",
@@ -115,7 +125,10 @@ def test_a_grant_the_bootstrap_signed_reaches_vllm_unchanged_and_only_once(key_s
 FORGED = {
     "another key": (body(bytes(32)), 403, "not signed"),
     "for a decode": (body(bytes(range(32)), role="decode"), 403, "for a decode server"),
-    "another prompt": ({**body(bytes(range(32))), "prompt": [1, 2]}, 403, "prompt of 5 tokens"),
+    "another prompt": ({**body(bytes(range(32))), "prompt": [1, 2]}, 403, "another prompt (5 tokens"),
+    "same length, other tokens": ({**body(bytes(range(32))), "prompt": [9] * 5}, 403, "another prompt"),
+    "not an object": ({"prompt": [1], "kv_transfer_params": "kvroom"}, 400, "not an object"),
+    "in vllm_xargs": ({"prompt": [1], "vllm_xargs": {"kv_transfer_params": "x"}}, 400, "vllm_xargs"),
     "expired": (body(bytes(range(32)), ttl_s=-1.0), 403, "expired"),
     "not a grant": (
         {"prompt": [1], "kv_transfer_params": {"kvroom": {"transfer": 1}}},

@@ -10,7 +10,7 @@ from kvroom_vllm.connector import KvroomConnector
 from kvroom_vllm.messages import Load, Send, StepPlan, TransferGrant
 from shared.wire import protocol
 
-ROOM = TransferGrant(protocol.TransferId(5), "decode", "other", [], prompt_len=8, expires=0.0)
+ROOM = TransferGrant(protocol.TransferId(5), "decode", "me", "other", [], 8, "0" * 64, expires=0.0)
 
 
 @dataclass

@@ -84,7 +84,7 @@ class HeldDoneAux(WorkerHalf):
 
 
 def room(role: str, peer: protocol.PeerRank) -> TransferGrant:
-    return TransferGrant(TRANSFER, role, "other", [peer], prompt_len=TOKENS, expires=0.0)  # type: ignore[arg-type]
+    return TransferGrant(TRANSFER, role, "me", "other", [peer], TOKENS, "0" * 64, expires=0.0)  # type: ignore[arg-type]
 
 
 def load(decode: Rank, prefill: Rank, req_id: str = "d-1", dst=(2, 9, 11)) -> None:

@@ -34,6 +34,7 @@ IDENTITY = ModelIdentity(
 )
 
 
+NODE = "vllm-under-test"
 KEY = bytes(range(32))  # the cluster's key, as the bootstrap's answers give it
 
 
@@ -41,7 +42,17 @@ def params(
     transfer: int, role: str, prompt: int = 300, key: bytes = KEY, ttl_s: float = 60.0, **changed
 ) -> dict:
     """A request's transfer parameters as the bootstrap signs them; ``changed`` fields after signing."""
-    grant = grants.TransferGrant(transfer, role, "other", [PEER], prompt, time.time() + ttl_s)  # type: ignore[arg-type]
+    tokens = list(range(prompt))  # what request() holds
+    grant = grants.TransferGrant(
+        transfer,
+        role,
+        NODE,
+        "other",
+        [PEER],
+        prompt,
+        grants.prompt_digest(tokens),
+        time.time() + ttl_s,  # type: ignore[arg-type]
+    )
     return {"kvroom": {**msgspec.to_builtins(grants.sign(grant, key)), **changed}}
 
 
@@ -77,6 +88,7 @@ def half(request):
             "http_url": "http://127.0.0.1:8100",
             "zmq_port": 9100,
             "zmq_security": "plain",
+            "node_id": NODE,
             "bootstrap_url": f"http://127.0.0.1:{free_port()}",
         }
     )
@@ -190,6 +202,9 @@ FORGED = {
     "expired": params(51, "decode", ttl_s=-1.0),
     "for a prefill": params(51, "prefill"),
     "another prompt": params(51, "decode", prompt=299),
+    "same length, other tokens": params(51, "decode", prompt_digest=grants.prompt_digest([7] * 300)),
+    "for another server": params(51, "decode", node="vllm-elsewhere"),
+    "not an object": "kvroom",
     "not a grant": {"kvroom": {"transfer": 51}},
 }
 
