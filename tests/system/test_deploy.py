@@ -151,8 +151,11 @@ def test_the_vllm_profile_runs_vllm_with_the_connector_and_settings_it_takes():
     for name, role in (("vllm-prefill", "kv_producer"), ("vllm-decode", "kv_consumer")):
         svc = services[name]
         assert svc["profiles"] == ["vllm"] and svc["build"]["dockerfile"] == "docker/Dockerfile.vllm"
-        model, port_arg, config_arg = (with_defaults(a) for a in svc["command"])
+        model, port_arg, middleware_arg, config_arg = (with_defaults(a) for a in svc["command"])
         assert model.startswith("/models/")
+        # The API server's check of transfer parameters (kvroom_vllm/guard.py).
+        assert middleware_arg == "--middleware=kvroom_vllm.guard.TransferParamsGuard"
+        assert "class TransferParamsGuard" in (ROOT / "kvroom_vllm" / "guard.py").read_text()
         port = int(port_arg.removeprefix("--port="))
         config = json.loads(config_arg.removeprefix("--kv-transfer-config="))
         assert (config["kv_connector"], config["kv_connector_module_path"]) == (
