@@ -177,3 +177,19 @@ def test_without_the_bootstraps_key_a_grant_is_refused_as_unavailable():
     (response,) = post(vllm_app(f"http://127.0.0.1:{free_port()}", seen), body(bytes(range(32))))
     assert response.status_code == 503 and seen == []
     assert "bootstrap" in json.loads(response.text)["error"]["message"]
+
+
+def test_parameters_named_with_json_escapes_are_checked_too(key_server):
+    seen: list[dict] = []
+    app = vllm_app(f"http://127.0.0.1:{key_server.port}", seen)
+    forged = json.dumps(body(bytes(32))).replace("kv_transfer_params", "kv_transfer_p\\u0061rams")
+
+    async def run() -> httpx.Response:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://vllm"
+        ) as client:
+            return await client.post(
+                "/v1/completions", content=forged, headers={"content-type": "application/json"}
+            )
+
+    assert asyncio.run(run()).status_code == 403 and seen == []
