@@ -19,6 +19,7 @@ from tests.support.stacks import FAST_NODE
 
 GRACE_S = 2.0
 TEARDOWN_S = 2.5  # stopping the HTTP server, the transfer thread and the engine
+WAIT_S = 60  # for a room to end; the client waits longer, so a slow room is an assertion, not a timeout
 
 
 def start_nodes(stack):
@@ -53,7 +54,7 @@ def post_rooms(stack, leaving, prompts, tokens, signal_at):
     """Post the rooms one after another, SIGTERM to ``leaving`` before room ``signal_at``; each
     room's prompt, whether it was posted after the signal, and its end; and when the signal went."""
     posted = []
-    with stack.client() as client:
+    with httpx.Client(base_url=stack.bootstrap.url, timeout=WAIT_S + 10) as client:
         for i, prompt in enumerate(prompts):
             if i == signal_at:
                 leaving.proc.send_signal(signal.SIGTERM)
@@ -61,7 +62,7 @@ def post_rooms(stack, leaving, prompts, tokens, signal_at):
             created = client.post("/rooms", json={"prompt": prompt, "max_new_tokens": tokens[i]})
             assert created.status_code == 201, created.text
             posted.append(created.json()["room"])
-        finals = [client.get(f"/rooms/{room}", params={"wait": 60}).json() for room in posted]
+        finals = [client.get(f"/rooms/{room}", params={"wait": WAIT_S}).json() for room in posted]
     return [(p, i >= signal_at, f) for i, (p, f) in enumerate(zip(prompts, finals, strict=True))], signalled
 
 

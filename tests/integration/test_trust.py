@@ -2,6 +2,7 @@
 
 import asyncio
 import signal
+import time
 
 import httpx
 import pytest
@@ -231,18 +232,19 @@ def test_sigterm_drains_one_of_two_decode_nodes(fast_stack, model):
             ]
             assert {r["decode"]["node_id"] for r in before} == {"decode-a", "decode-b"}
             leaving.proc.send_signal(signal.SIGTERM)
+            heard_by = time.monotonic() + 10
             while True:  # until the bootstrap heard: from then on nothing is placed there
                 nodes = {n["node_id"]: n for n in (await c.get("/nodes")).json()}
                 if "decode-b" not in nodes or nodes["decode-b"]["draining"]:
                     break
+                assert time.monotonic() < heard_by, (nodes, leaving.log_tail(40))
                 await asyncio.sleep(0.01)
             after = [
                 (await c.post("/rooms", json={"prompt": p, "max_new_tokens": tokens})).json()
                 for p in prompts[16:]
             ]
-            finals = [
-                (await c.get(f"/rooms/{r['room']}", params={"wait": 50})).json() for r in before + after
-            ]
+            waits = [c.get(f"/rooms/{r['room']}", params={"wait": 50}) for r in before + after]
+            finals = [resp.json() for resp in await asyncio.gather(*waits)]  # 50 s at most, not 50 s a room
             return after, finals
 
     after, finals = asyncio.run(run())
