@@ -483,3 +483,59 @@ def test_hung_blocking_writes_end_at_their_deadline_and_the_ranks_next_send_land
         binding.let_go.set()
         prefill.close()
         decode.close()
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 2), (2, 1)])
+def test_each_head_lands_in_the_decode_rank_that_holds_it_over_the_real_engine(prefill_tp, decode_tp):
+    """P and D at different TP, the real transfer engine over TCP: every decode rank gets the heads
+    it holds, from the prefill ranks that hold them, and nothing else."""
+
+    def ranks(role: str, tp: int) -> list[tuple[WorkerHalf, torch.Tensor]]:
+        out = []
+        for r in range(tp):
+            local = HEADS // tp
+            whole = torch.zeros(LAYERS, BLOCKS, local, TOKENS, CHANNELS)
+            layers = {f"model.layers.{i}.self_attn.attn": whole[i] for i in range(LAYERS)}
+            extra = {
+                "http_url": f"http://127.0.0.1:{free_port()}",
+                "zmq_port": free_port(),
+                "zmq_security": "plain",
+            }
+            half = WorkerHalf(settings_from(extra), r, tp, HEADS, VOCAB, role)
+            half.start(paged_kv(layers, HeadRange(r * local, local)))  # the real engine
+            out.append((half, whole))
+        return out
+
+    prefills, decodes = ranks("prefill", prefill_tp), ranks("decode", decode_tp)
+    try:
+        full = torch.randn(LAYERS, 3, HEADS, TOKENS, CHANNELS)  # the prompt's KV, all heads
+        for r, (_, whole) in enumerate(prefills):
+            local = HEADS // prefill_tp
+            whole[:, [5, 6, 7]] = full[:, :, r * local : (r + 1) * local]
+        peers = {
+            side: [protocol.PeerRank(**h.handshake().peer) for h, _ in halves]
+            for side, halves in (("prefill", prefills), ("decode", decodes))
+        }
+        grant = {
+            role: TransferGrant(TRANSFER, role, "me", "other", peers[other], TOKENS, "0" * 64, expires=0.0)  # type: ignore[arg-type]
+            for role, other in (("decode", "prefill"), ("prefill", "decode"))
+        }
+        for half, _ in decodes:
+            half.take_plan(StepPlan(loads=[Load("d-1", grant["decode"], [2, 9, 11], PROMPT)]))
+        for half, _ in prefills:
+            half.take_plan(StepPlan(sends=[Send("p-1", grant["prefill"], [5, 6, 7], PROMPT, first_token=42)]))
+
+        finished: set[tuple[int, str]] = set()
+
+        def done() -> bool:
+            finished.update((half.rank, req) for half, _ in decodes for req in half.results()[1])
+            return len(finished) == decode_tp
+
+        until(done, 20, "every decode rank loaded")
+        for r, (_, whole) in enumerate(decodes):
+            local = HEADS // decode_tp
+            assert torch.equal(whole[:, [2, 9, 11]], full[:, :, r * local : (r + 1) * local]), r
+            assert whole[:, [0, 1, 3]].abs().sum() == 0
+    finally:
+        for half, _ in prefills + decodes:
+            half.close()
