@@ -6,6 +6,7 @@ silent node dead after 4 s. The tests run in order; the last two kill the prefil
 import concurrent.futures
 import json
 import signal
+import threading
 import time
 
 import httpx
@@ -71,11 +72,13 @@ def blocks_free(*servers) -> bool:
 class Stream:
     """A streamed completion read on a thread: its room id at once, then its text."""
 
-    def __init__(self, cluster, leave_at_once: bool = False):
+    def __init__(self, cluster, leave: threading.Event | None = None):
+        """``leave``: the client closes its connection once it is set, after the first event."""
         self.room: str | None = None
         self.text = ""
         self.error: dict | None = None
-        self._leave = leave_at_once
+        self.left = 0.0  # when it closed its connection
+        self._leave = leave
         self._pool = concurrent.futures.ThreadPoolExecutor(1)
         self.done = self._pool.submit(self._read, cluster)
 
@@ -93,7 +96,9 @@ class Stream:
                 if "error" in event:
                     self.error = event["error"]
                     return
-                if self._leave:
+                if self._leave is not None:
+                    self._leave.wait(60)
+                    self.left = time.monotonic()
                     return  # the connection closes mid-stream
                 self.text += event["choices"][0]["text"]
 
@@ -137,12 +142,25 @@ def test_a_record_changed_in_flight_ends_the_request_with_an_error_and_frees_the
 
 
 def test_clients_that_leave_mid_stream_abort_both_requests(cluster, hooks):
+    """Clients leave while their rooms' KV is written and their done+aux held: the decode's blocks
+    come back because the prefill answers its revokes at once (nothing of them can still be
+    written), well before the lease would give them back."""
     prefill, decode = cluster.servers
-    (hooks / "hold").touch()  # every room is in flight when its client leaves
+    (hooks / "hold").touch()
+    leave = threading.Event()
     try:
-        left = [Stream(cluster, leave_at_once=True) for _ in range(20)]
+        left = [Stream(cluster, leave) for _ in range(8)]
+        until(lambda: len(list(hooks.glob("held-*"))) == len(left), what="every room's done+aux held")
+        assert not blocks_free(decode)
+        leave.set()
         for stream in left:
             stream.done.result(timeout=60)
+        gone = max(stream.left for stream in left)
+        # Held for the lease, the last room's blocks would be back 3 s after its client left at the
+        # earliest: wait less than that from then.
+        before_lease = gone + 0.8 * FAST["lease_timeout_s"] - time.monotonic()
+        until(lambda: blocks_free(decode), before_lease, "the decode's blocks back before the lease")
+        print(f"the decode's blocks were back {time.monotonic() - gone:.2f}s after the clients left")
         for stream in left:
             until(lambda s=stream: room(cluster, s.room)["finished"], what=f"room {stream.room} ended")
             view = room(cluster, stream.room)
