@@ -46,6 +46,7 @@ PROMPT_COMPUTED = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_
 class Tracked:
     room: TransferGrant
     loading: bool = False  # decode: its load was handed to the workers and has not finished
+    blocks: tuple[int, ...] = ()  # decode: the blocks it loads into
     ended: bool = False  # vLLM finished the request while its load was still going
 
 
@@ -213,7 +214,7 @@ class SchedulerHalf:
             self._plan.scheduled.append(room)
         if room is None or num_external_tokens <= 0 or request.request_id in self._requests:
             return
-        self._requests[request.request_id] = Tracked(room, loading=True)
+        self._requests[request.request_id] = Tracked(room, loading=True, blocks=tuple(block_ids))
         prompt_len = len(request.prompt_token_ids or [])
         self._plan.loads.append(Load(request.request_id, room, block_ids, prompt_len))
         self._on_loop(self._open, room.transfer)
@@ -265,9 +266,17 @@ class SchedulerHalf:
                 tracked = self._requests.get(req_id)
                 if tracked is not None:
                     self._on_loop(self._advance, tracked.room.transfer, RoomState.TRANSFERRING, None)
-        for req_id in output.finished_recving or ():
+        for req_id in list(output.finished_recving or ()):
             tracked = self._requests.get(req_id)
             if tracked is None:
+                continue
+            mismatched = self._failures.get(req_id) == FailureReason.AUX_MISMATCH and not tracked.ended
+            if mismatched and not set(tracked.blocks) & set(output.invalid_block_ids or ()):
+                # Each worker found its own record intact, so none named the blocks as failed:
+                # vLLM would decode from KV the workers disagree on. Held back this step, its load
+                # is failed by the workers in the next (all of it has landed).
+                output.finished_recving.discard(req_id)
+                self._plan.refused[req_id] = list(tracked.blocks)
                 continue
             tracked.loading = False
             if tracked.ended:

@@ -69,12 +69,13 @@ def request(
     )
 
 
-def output(recving=(), sending=(), failed=None, ready=None) -> SimpleNamespace:
+def output(recving=(), sending=(), failed=None, ready=None, invalid=()) -> SimpleNamespace:
     report = WorkerReport(failed or {}, ready=ready or {}) if failed or ready else None
     return SimpleNamespace(
         finished_recving=set(recving),
         finished_sending=set(sending),
         failed_recving=set(),
+        invalid_block_ids=set(invalid),
         kv_connector_worker_meta=report,
     )
 
@@ -170,18 +171,24 @@ def test_a_prefill_keeps_a_computed_prompts_blocks_until_its_workers_sent_them(h
 @pytest.mark.parametrize("half", ["decode"], indirect=True)
 @pytest.mark.parametrize("same_step", [True, False], ids=["one-step", "two-steps"])
 def test_workers_ready_with_different_records_fail_the_load_aux_mismatch(half, same_step):
+    """No worker names the blocks as failed (each found its own record intact): the load is held
+    back from vLLM, and the next step's workers fail it, so vLLM never decodes from that KV."""
     room = request("r1", params(23, "decode"))
-    half.allocated(room, [1], 300)
+    half.allocated(room, [1, 4], 300)
+    half.step_plan()
     first, second = WorkerReport(ready={"r1": 0xAAAA}), WorkerReport(ready={"r1": 0xBBBB})
     if same_step:  # vLLM folds the workers' reports of one step, the first worker's first
-        half.took_output(
-            SimpleNamespace(
-                **{**vars(output(recving={"r1"})), "kv_connector_worker_meta": first.aggregate(second)}
-            )
+        finished = SimpleNamespace(
+            **{**vars(output(recving={"r1"})), "kv_connector_worker_meta": first.aggregate(second)}
         )
     else:
         half.took_output(output(ready=first.ready))
-        half.took_output(output(recving={"r1"}, ready=second.ready))
+        finished = output(recving={"r1"}, ready=second.ready)
+    half.took_output(finished)
+    assert finished.finished_recving == set()  # vLLM does not take it as loaded
+    assert half.step_plan().refused == {"r1": [1, 4]}  # the workers fail its load and its blocks
+    assert state(half, 23) is not RoomState.FAILED  # not yet: its blocks are not failed yet
+    half.took_output(output(recving={"r1"}, invalid={1, 4}))
     until(lambda: state(half, 23) is RoomState.FAILED)
     assert half.rooms.find(protocol.TransferId(23)).reason == "aux_mismatch"
 
