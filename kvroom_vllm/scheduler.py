@@ -259,6 +259,11 @@ class SchedulerHalf:
         if isinstance(report, WorkerReport):
             for req_id, why in report.failed.items():
                 self._failures.setdefault(req_id, why)  # the first reason stands (a TP worker's)
+                tracked = self._requests.get(req_id)
+                if tracked is not None and tracked.loading:  # the room fails now; vLLM keeps its blocks
+                    self._on_loop(
+                        self._advance, tracked.room.transfer, RoomState.FAILED, self._failures[req_id]
+                    )
             for req_id, digest in report.ready.items():  # every worker ready with the same record
                 if self._ready.setdefault(req_id, digest) != digest:
                     self._failures.setdefault(req_id, FailureReason.AUX_MISMATCH)

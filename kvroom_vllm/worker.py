@@ -309,11 +309,16 @@ class WorkerHalf:
             self._settle_load(loading)
 
     def _fail_load(self, loading: Loading, reason: str) -> None:
-        """The load failed: no writer may write any more; vLLM hears of it once none can."""
+        """The load failed: no writer may write any more. vLLM hears of it now, through its blocks
+        named invalid, and ends the request with an error; it frees the blocks only once the load
+        finishes (``finished_recving``), when no writer can write into them."""
         if loading.failed is not None:
             return
         loading.failed = reason
         log.warning("transfer=%d load failed: %s", loading.load.room.transfer, reason)
+        with self._lock:
+            self._failed[loading.load.req_id] = reason
+            self._invalid_blocks.update(loading.load.blocks)
         for prefill_rank in loading.writers:
             if prefill_rank not in loading.landed and prefill_rank not in loading.released:
                 peer = loading.load.room.peers[prefill_rank]

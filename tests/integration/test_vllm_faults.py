@@ -141,6 +141,26 @@ def test_a_record_changed_in_flight_ends_the_request_with_an_error_and_frees_the
     until(lambda: blocks_free(prefill, decode), what="both servers' blocks free")
 
 
+def test_a_data_path_that_stops_ends_the_request_at_its_timeout_while_its_blocks_stay_fenced(cluster, hooks):
+    """Both servers beat, but no done+aux comes and no revoke is heard: the client's error comes
+    at the decode's transfer timeout, while the decode still holds the blocks the prefill could
+    write into (for the lease); they are vLLM's again after that."""
+    prefill, decode = cluster.servers
+    (hooks / "hold").touch()
+    (hooks / "deaf").touch()
+    try:
+        with cluster.client() as client:
+            answer = client.post("/v1/completions", json=body(cluster))
+        still_fenced = not blocks_free(decode)
+    finally:
+        (hooks / "hold").unlink()
+        (hooks / "deaf").unlink()
+    assert answer.status_code == 502, answer.text
+    assert answer.json()["error"]["code"] == "transfer_timeout"
+    assert still_fenced  # the error did not wait for the fence to end
+    until(lambda: blocks_free(prefill, decode), what="both servers' blocks free")
+
+
 def test_clients_that_leave_mid_stream_abort_both_requests(cluster, hooks):
     """Clients leave while their rooms' KV is written and their done+aux held: the decode's blocks
     come back because the prefill answers its revokes at once (nothing of them can still be

@@ -2,7 +2,8 @@
 
 The test drives it with files in the directory ``$KVROOM_TEST_HOOKS`` names: while ``hold``
 exists, done+aux waits (and ``held-<transfer>`` says one is waiting); while ``tamper`` exists,
-each record leaves with one bit flipped.
+each record leaves with one bit flipped; while ``deaf`` exists, revokes are not heard (as if the
+decode's messages no longer reached the prefill).
 """
 
 import asyncio
@@ -15,6 +16,10 @@ from shared.wire import protocol
 
 
 class HookedWorker(WorkerHalf):
+    def _on_revoke(self, msg: protocol.RevokeLease, sender: str | None) -> None:
+        if not (Path(os.environ["KVROOM_TEST_HOOKS"]) / "deaf").exists():
+            super()._on_revoke(msg, sender)
+
     def send_done_aux(self, peer: protocol.PeerRank, done: protocol.DoneAux, record: bytes) -> None:
         hooks = Path(os.environ["KVROOM_TEST_HOOKS"])
         if (hooks / "tamper").exists():

@@ -367,19 +367,24 @@ def test_a_revoke_for_a_room_scheduled_but_not_sent_is_answered_at_once_and_noth
         decode.close()
 
 
-def test_a_failed_loads_blocks_stay_fenced_until_the_latest_moment_a_silent_writer_could_write():
-    """Asked at t0, failed at once, its writer silent: the blocks are vLLM's again at t0 + T + L,
-    not at failure + L (the writer may start until T after the request reached it)."""
+@pytest.mark.parametrize("how", ["timed out", "stopped"])
+def test_a_failed_loads_blocks_stay_fenced_until_the_latest_moment_a_silent_writer_could_write(how):
+    """Asked at t0, its writer silent: vLLM hears of the failure at once (the blocks named invalid:
+    it ends the request with an error), and the blocks are vLLM's again (the load finished) at
+    t0 + T + L, not at failure + L (the writer may start until T after the request reached it)."""
     directory: dict = {}
     prefill = Rank("prefill", directory, transfer_timeout_s=30.0)  # never sent: it stays silent
     decode = Rank("decode", directory, transfer_timeout_s=0.6, lease_timeout_s=0.4)
     try:
         asked = time.monotonic()
         load(decode, prefill)
-        decode.half.take_plan(StepPlan(stopped_loads=["d-1"]))
+        if how == "stopped":
+            decode.half.take_plan(StepPlan(stopped_loads=["d-1"]))
+        until(lambda: decode.poll().invalid, timeout=5)
+        failed_at = time.monotonic() - asked
+        assert decode.invalid == {2, 9, 11} and "d-1" in decode.failed and "d-1" not in decode.recving
         until(lambda: "d-1" in decode.poll().recving, timeout=5)
-        assert time.monotonic() - asked >= 0.6 + 0.4
-        assert decode.invalid == {2, 9, 11}
+        assert time.monotonic() - asked >= 0.6 + 0.4 > failed_at
     finally:
         prefill.close()
         decode.close()

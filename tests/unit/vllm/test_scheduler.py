@@ -126,14 +126,17 @@ def test_a_decode_room_loads_its_whole_prompt_once_and_is_success_only_when_ever
 
 
 @pytest.mark.parametrize("half", ["decode"], indirect=True)
-def test_a_decode_room_that_failed_on_one_worker_is_failed_with_its_reason(half):
+def test_a_decode_room_that_failed_on_one_worker_is_failed_at_once_with_its_reason(half):
+    """The first worker's failure fails the room, before every worker finished the load (vLLM keeps
+    its blocks until then)."""
     room = request("r1", params(21, "decode"))
     half.allocated(room, [1], 300)
     half.took_output(output(failed={"r1": "aux_timeout"}))  # one worker; the others not yet
+    until(lambda: state(half, 21) is RoomState.FAILED)
     half.took_output(output(failed={"r1": "aborted"}))  # a later worker's, once its load was stopped
     half.took_output(output(recving={"r1"}))  # vLLM's sum: every worker finished the load
-    until(lambda: state(half, 21) is RoomState.FAILED)
     assert half.rooms.find(protocol.TransferId(21)).reason == "aux_timeout"
+    assert half._failures == {}
 
 
 @pytest.mark.parametrize("half", ["decode"], indirect=True)
