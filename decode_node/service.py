@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 from decode_node.settings import DecodeSettings
 from shared.errors import PoolExhausted, RejectedMessage
+from shared.kv import tcp_drain
 from shared.kv.aux_buffers import AUX_RECORD, AuxBuffers, record_digest
 from shared.kv.head_split import HeadRange, writers
 from shared.kv.lease import Lease, LeaseState
@@ -43,6 +44,8 @@ log = logging.getLogger(__name__)
 
 # Page indices are most of a transfer request's bytes: this many stay far below a body's limit.
 MAX_PAGES_PER_MESSAGE = 100_000
+# How often a gone writer's leases look again whether its last bytes over TCP were read.
+LANDING_POLL_S = 0.01
 
 
 class DecodeJob(RankRoom):
@@ -404,8 +407,7 @@ class DecodeService(RankService):
         fenced = self.fenced.get(msg.transfer)
         job = self.rooms.live.get(msg.transfer) or fenced
         if msg.peer_gone and isinstance(job, DecodeJob):
-            for lease in job.leases.values():
-                lease.revoke()  # its process ended (it left, or another took its id): no more writes
+            self._revoke_once_landed(job)
         if fenced is not None:  # failed before: its pages go back once no writer holds them
             self._release(fenced)
             return
@@ -513,6 +515,21 @@ class DecodeService(RankService):
                 self.rank.send(job.prefill_ranks[prefill_rank], revoke)
                 lease.ask_back(self.settings.lease_timeout_s)
         self._release(job)
+
+    def _revoke_once_landed(self, job: DecodeJob) -> None:
+        """The writers' process ended (their node left, or another took its id): they can write no
+        more, but over TCP the bytes their kernel sent before the end may not have been read yet.
+        The leases close once this process has read every closed connection to its end (their
+        lease's own end still comes first if the kernel keeps saying otherwise)."""
+        if not job.lent:
+            return
+        if self.settings.transport == "tcp" and not tcp_drain.closed_writes_read():
+            self.loop.call_later(LANDING_POLL_S, self._revoke_once_landed, job)
+            return
+        for lease in job.leases.values():
+            lease.revoke()
+        if self.fenced.get(job.id) is job:
+            self._release(job)
 
     # -- release --------------------------------------------------------------------
 

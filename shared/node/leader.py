@@ -17,6 +17,7 @@ import msgspec
 import zmq
 
 from shared.cli import VERSION
+from shared.kv import tcp_drain
 from shared.node import agreement
 from shared.node.membership import Membership, Standing
 from shared.node.rank import ASSIGNMENTS, RankService, assignments_in, refuse_assignment
@@ -252,10 +253,14 @@ class NodeLeader:
         return sum(h.rooms_in_flight + h.fenced_rooms for h in self._rank_health())
 
     def writes_over(self, since: float) -> bool:
-        """Whether no write to peers may still move on a rank still alive, by what every such rank
-        said after ``since`` (a dead rank writes nothing; an older word may predate a write)."""
+        """Whether no write to peers may still move: by what every rank still alive said after
+        ``since`` (an older word may predate a write), and, for a dead rank's writes over TCP, by
+        the host's kernel, which goes on sending what the dead process's sockets held."""
         live = [r for r in range(1, self.world) if self.alive.get(r, False)]
         if any(self.health_at.get(r, float("-inf")) <= since for r in live):
             return False
         healths = [self.service.health(), *(self.health_of[r] for r in live)]
-        return not any(h.writes_in_flight for h in healths)
+        if any(h.writes_in_flight for h in healths):
+            return False
+        some_died = len(live) < self.world - 1
+        return not (some_died and self.rank.settings.transport == "tcp") or tcp_drain.dead_writes_sent()

@@ -10,6 +10,7 @@ from decode_node.role import DECODE
 from decode_node.settings import DecodeSettings
 from launcher.local_stack import free_port
 from shared.errors import RejectedMessage
+from shared.kv import tcp_drain
 from shared.kv.aux_buffers import Aux
 from shared.kv.lease import LeaseState
 from shared.metrics import ServiceMetrics
@@ -23,6 +24,7 @@ from shared.wire import protocol
 from shared.wire.security import CurveKeys, Security
 from tests.support import until_async
 from tests.support.fakes import FakeEngine, RecordingLink, RecordingPeers
+from tests.support.sockets import loopback_connection
 
 PREFILL_KEY = CurveKeys.generate().public
 PREFILL = protocol.PeerRank(0, "prefill:1", "tcp://127.0.0.1:9", PREFILL_KEY, 0, 4)
@@ -469,5 +471,25 @@ def test_a_gone_peers_word_for_a_fenced_room_frees_it_and_for_an_unknown_one_is_
         assert not service.fenced and service.pool.free_pages == 32
         service.handle_assignment(protocol.AbortRoom(ROOM + 1, 0, "peer_lost", peer_gone=True))
         assert service.rooms.find(ROOM + 1) is None
+
+    run(body)
+
+
+def test_a_gone_peers_pages_stay_fenced_while_bytes_it_sent_over_tcp_are_unread():
+    """Its process ended, but its kernel had sent bytes this process has not read yet: they could
+    still land in the pages. The pages go back once they are read, not before."""
+
+    async def body(service, node):
+        with loopback_connection() as (writer, reader, _):
+            writer.sendall(b"k" * 100)
+            writer.close()  # the gone writer's end; 100 bytes and its FIN wait in this process
+            await until_async(lambda: not tcp_drain.closed_writes_read(), what="the FIN")
+            assign(service)
+            service.handle_assignment(protocol.AbortRoom(ROOM, 0, "peer_lost", peer_gone=True))
+            await asyncio.sleep(0.1)  # ten looks at the kernel's table: none may free them
+            assert ROOM in service.fenced and service.pool.free_pages == 30
+            assert reader.recv(200) == b"k" * 100  # the transport reads them
+            await until_async(lambda: not service.fenced, what="the pages back")
+            assert service.pool.free_pages == 32 and service.health().lent_pages_revoked == 2
 
     run(body)

@@ -15,11 +15,13 @@ from shared.metrics import ServiceMetrics
 from shared.models.source import make_source
 from shared.node.agreement import Solo
 from shared.node.builder import build_service, make_rank
+from shared.node.leader import NodeLeader
 from shared.room.states import RoomState
 from shared.wire import protocol
 from shared.wire.security import Security
 from tests.support import until_async
 from tests.support.fakes import FakeEngine, RecordingLink, RecordingPeers
+from tests.support.sockets import SMALL, loopback_connection
 
 ROOM = 41
 DECODE = protocol.PeerRank(0, "decode", "tcp://127.0.0.1:9", "", 0, 4)
@@ -200,3 +202,26 @@ def test_a_request_for_pages_of_one_layer_each_is_refused():
         assert service.rooms.find(ROOM).requests == {}
 
     run(test, progress_notice_s=0)
+
+
+def test_a_node_whose_rank_died_holds_its_writes_over_while_the_kernel_still_sends_for_the_dead():
+    """A dead rank writes nothing, but what its sockets held its kernel goes on sending: the node
+    says its writes are over (and leaves, freeing its peers' pages) only once every byte and FIN
+    of a connection no process holds is acknowledged."""
+
+    async def body(service, engine, sent):
+        leader = NodeLeader("prefill", "p", service, RecordingLink(), 2, None, {1: None})
+        leader.rank_died(1, "exited with code -9")
+        assert leader.writes_over(0.0)  # rank 0 writes nothing, and no dead socket holds bytes
+        with loopback_connection() as (writer, reader, _):
+            with pytest.raises(BlockingIOError):
+                writer.setblocking(False)
+                while True:
+                    writer.send(b"k" * SMALL)
+            writer.close()  # as the rank's exit does: the kernel keeps what it had not sent
+            assert not leader.writes_over(0.0)
+            while reader.recv(1 << 16):
+                pass  # the decode's transport takes it all, and the FIN
+            await until_async(lambda: leader.writes_over(0.0), what="every byte acknowledged")
+
+    run(body)
