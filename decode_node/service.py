@@ -87,6 +87,8 @@ class DecodeService(RankService):
         self.aux = AuxBuffers(self.settings.aux_slots)
         # Failed rooms whose pages are still lent out, until released or timed out.
         self.fenced: dict[int, DecodeJob] = {}
+        # Rooms whose writers are gone, until nothing they sent over TCP is still unread.
+        self._landing: list[DecodeJob] = []
         self.requests: PerTurn[protocol.TransferRequest] = PerTurn(self._send_requests)
 
     def health(self) -> protocol.RankHealth:
@@ -407,7 +409,9 @@ class DecodeService(RankService):
         fenced = self.fenced.get(msg.transfer)
         job = self.rooms.live.get(msg.transfer) or fenced
         if msg.peer_gone and isinstance(job, DecodeJob):
-            self._revoke_once_landed(job)
+            self._landing.append(job)
+            if len(self._landing) == 1:  # else a look is already due
+                self._revoke_once_landed()
         if fenced is not None:  # failed before: its pages go back once no writer holds them
             self._release(fenced)
             return
@@ -516,20 +520,23 @@ class DecodeService(RankService):
                 lease.ask_back(self.settings.lease_timeout_s)
         self._release(job)
 
-    def _revoke_once_landed(self, job: DecodeJob) -> None:
-        """The writers' process ended (their node left, or another took its id): they can write no
-        more, but over TCP the bytes their kernel sent before the end may not have been read yet.
-        The leases close once this process has read every closed connection to its end (their
-        lease's own end still comes first if the kernel keeps saying otherwise)."""
-        if not job.lent:
+    def _revoke_once_landed(self) -> None:
+        """The writers of the rooms in ``_landing`` are gone (their node left, or another took its
+        id): they can write no more, but over TCP the bytes their kernel sent before the end may
+        not have been read yet. Their leases close once this process has read every closed
+        connection to its end; one look at the kernel serves every such room."""
+        self._landing = [job for job in self._landing if job.lent]  # the others closed meanwhile
+        if not self._landing:
             return
         if self.settings.transport == "tcp" and not tcp_drain.closed_writes_read():
-            self.loop.call_later(LANDING_POLL_S, self._revoke_once_landed, job)
+            self.loop.call_later(LANDING_POLL_S, self._revoke_once_landed)
             return
-        for lease in job.leases.values():
-            lease.revoke()
-        if self.fenced.get(job.id) is job:
-            self._release(job)
+        landed, self._landing = self._landing, []
+        for job in landed:
+            for lease in job.leases.values():
+                lease.revoke()
+            if self.fenced.get(job.id) is job:
+                self._release(job)
 
     # -- release --------------------------------------------------------------------
 

@@ -345,7 +345,7 @@ class WorkerHalf:
             loading.timer.cancel()
         self._loads.pop(loading.load.room.transfer, None)
         self.aux.free(loading.slot)
-        self._finish_load(loading.load, loading.failed)
+        self._finish_load(loading.load, None)  # its failure and blocks were named when it failed
 
     def _finish_load(self, load: Load, failed: str | None, digest: int | None = None) -> None:
         with self._lock:
