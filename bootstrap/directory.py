@@ -142,6 +142,7 @@ class NodeDirectory:
             node_ttl_s=self._settings.node_ttl_s,
             epoch=await self._store.epoch(),
             unknown_transfers=unknown,
+            writers_gone=self._lifecycle.writers_gone(node.id) if beat is not None else [],
             params_key=(await self._store.params_key()).hex(),
         )
 

@@ -25,6 +25,7 @@ from bootstrap.waiters import Waiters
 from shared.metrics import ServiceMetrics
 from shared.room.states import FailureReason, RoomState
 from shared.wire import protocol
+from shared.wire.registration import MAX_WRITERS_GONE
 from shared.wire.zmq_io import PushSockets
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,8 @@ class RoomLifecycle:
         self._metrics = metrics
         # Prefill node -> its failed attempts' transfers and their decode nodes.
         self._fenced_for: dict[str, dict[protocol.TransferId, str]] = {}
+        # vLLM decode node -> transfers whose writers are gone, until its next heartbeat's answer.
+        self._writers_gone: dict[str, list[protocol.TransferId]] = {}
         self._node_losses = Counter(
             "kvroom_rooms_failed_by_node_loss_total",
             "Room attempts failed because one of their nodes was lost, by the evidence: "
@@ -284,10 +287,22 @@ class RoomLifecycle:
         self, node_id: str, transfer: protocol.TransferId, reason: str, peer_gone: bool = False
     ) -> None:
         node = self._registry.known(node_id) or await self._registry.node(node_id)
-        if node is not None and not node.reg.is_vllm:  # a vLLM node's attempt is cancelled in fail()
+        if node is None:
+            return
+        if not node.reg.is_vllm:
             self._outbox.abort(
                 node.leader, protocol.AbortRoom(transfer=transfer, rank=0, reason=reason, peer_gone=peer_gone)
             )
+        elif peer_gone and node.reg.role == "decode":
+            # A vLLM server's attempt is cancelled in fail(); that its writers are gone it hears in
+            # its next heartbeat's answer.
+            gone = self._writers_gone.setdefault(node_id, [])
+            gone.append(transfer)
+            del gone[:-MAX_WRITERS_GONE]
+
+    def writers_gone(self, node_id: str) -> list[protocol.TransferId]:
+        """The vLLM decode server's transfers whose writers are gone, since it was last told."""
+        return self._writers_gone.pop(node_id, [])
 
     async def close(self) -> None:
         await self._vllm.close()

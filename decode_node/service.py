@@ -44,8 +44,6 @@ log = logging.getLogger(__name__)
 
 # Page indices are most of a transfer request's bytes: this many stay far below a body's limit.
 MAX_PAGES_PER_MESSAGE = 100_000
-# How often a gone writer's leases look again whether its last bytes over TCP were read.
-LANDING_POLL_S = 0.01
 
 
 class DecodeJob(RankRoom):
@@ -88,7 +86,8 @@ class DecodeService(RankService):
         # Failed rooms whose pages are still lent out, until released or timed out.
         self.fenced: dict[int, DecodeJob] = {}
         # Rooms whose writers are gone, until nothing they sent over TCP is still unread.
-        self._landing: list[DecodeJob] = []
+        tcp = self.settings.transport == "tcp"
+        self._landing = tcp_drain.AfterLanding(self.loop, tcp, self._writes_ended)
         self.requests: PerTurn[protocol.TransferRequest] = PerTurn(self._send_requests)
 
     def health(self) -> protocol.RankHealth:
@@ -409,9 +408,7 @@ class DecodeService(RankService):
         fenced = self.fenced.get(msg.transfer)
         job = self.rooms.live.get(msg.transfer) or fenced
         if msg.peer_gone and isinstance(job, DecodeJob):
-            self._landing.append(job)
-            if len(self._landing) == 1:  # else a look is already due
-                self._revoke_once_landed()
+            self._landing.add(job)
         if fenced is not None:  # failed before: its pages go back once no writer holds them
             self._release(fenced)
             return
@@ -520,19 +517,10 @@ class DecodeService(RankService):
                 lease.ask_back(self.settings.lease_timeout_s)
         self._release(job)
 
-    def _revoke_once_landed(self) -> None:
-        """The writers of the rooms in ``_landing`` are gone (their node left, or another took its
-        id): they can write no more, but over TCP the bytes their kernel sent before the end may
-        not have been read yet. Their leases close once this process has read every closed
-        connection to its end; one look at the kernel serves every such room."""
-        self._landing = [job for job in self._landing if job.lent]  # the others closed meanwhile
-        if not self._landing:
-            return
-        if self.settings.transport == "tcp" and not tcp_drain.closed_writes_read():
-            self.loop.call_later(LANDING_POLL_S, self._revoke_once_landed)
-            return
-        landed, self._landing = self._landing, []
-        for job in landed:
+    def _writes_ended(self, jobs: list[DecodeJob]) -> None:
+        """The writers of these rooms are gone (their node left, or another took its id), and what
+        they sent has landed: their leases close, and the rooms fenced for them are released."""
+        for job in (j for j in jobs if j.lent):  # the others closed meanwhile
             for lease in job.leases.values():
                 lease.revoke()
             if self.fenced.get(job.id) is job:

@@ -79,6 +79,9 @@ class StepPlan(KVConnectorMetadata):
     # Prefill rooms just scheduled, before their prompt is computed: a revoke for one is answered
     # at once, from the peers it names.
     scheduled: list[TransferGrant] = field(default_factory=list)
+    # Decode: transfers whose prefill process ended (the bootstrap said so): once what it sent has
+    # landed, nothing more can be written into their blocks.
+    writers_gone: list[int] = field(default_factory=list)
 
 
 @dataclass

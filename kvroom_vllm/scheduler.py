@@ -11,6 +11,7 @@ event loop of its own, and every room record is changed there.
 """
 
 import asyncio
+import collections
 import contextlib
 import logging
 import threading
@@ -25,8 +26,9 @@ from vllm.v1.request import Request, RequestStatus
 from kvroom_vllm.messages import Load, RankHandshake, Send, StepPlan, TransferGrant, WorkerReport, room_params
 from kvroom_vllm.settings import VllmNodeSettings
 from shared.cli import VERSION
+from shared.kv import tcp_drain
 from shared.models.files import tokenizer_digest, weights_digest
-from shared.node.builder import LEAVE_TIMEOUT_S
+from shared.node.builder import LEAVE_TIMEOUT_S, WRITES_SETTLE_S
 from shared.node.membership import Membership
 from shared.node.reports import BootstrapLink
 from shared.room.record import Room, RoomTable
@@ -62,6 +64,8 @@ class SchedulerHalf:
         self._refused: set[str] = set()  # requests whose parameters were not the bootstrap's
         self._first_use = grants.FirstUse()
         self._plan = StepPlan()
+        # Transfers whose writers are gone, from the node's thread to the next step's plan.
+        self._writers_gone: collections.deque[protocol.TransferId] = collections.deque()
         self._failures: dict[str, str] = {}  # decode loads that failed on some worker, until all finished
         self._ready: dict[str, int] = {}  # decode loads: the aux record digest the first worker had
         self._free_blocks = lambda: 0
@@ -105,6 +109,7 @@ class SchedulerHalf:
             self.heartbeat,
             lambda: list(self.rooms.live.values()),
             self._orphaned,
+            self._writers_gone.extend,
         )
         task = self._loop.create_task(self.membership.run())
         ready.set()
@@ -154,11 +159,22 @@ class SchedulerHalf:
         if self._thread is not None:
             leaving = asyncio.run_coroutine_threadsafe(self._leave(), self._loop)
             with contextlib.suppress(Exception):
-                leaving.result(timeout=LEAVE_TIMEOUT_S + 1)
+                leaving.result(timeout=WRITES_SETTLE_S + LEAVE_TIMEOUT_S + 1)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(5)
 
     async def _leave(self) -> None:
+        """Leaving tells the decodes that this server writes no more, and they free the blocks it
+        could write at once: a prefill leaves only once its host's kernel has sent what its
+        workers' closed sockets held (docs/failures.md), within a bound, past which it exits
+        without a word and the decodes wait out the lease."""
+        if self.role == "prefill" and self.settings.transport == "tcp":
+            settle = time.monotonic() + WRITES_SETTLE_S
+            while not tcp_drain.dead_writes_sent():
+                if time.monotonic() > settle:
+                    log.warning("writes in flight after %.1fs: exiting without leaving", WRITES_SETTLE_S)
+                    return
+                await asyncio.sleep(0.05)
         async with httpx.AsyncClient(base_url=self.settings.bootstrap_url, timeout=LEAVE_TIMEOUT_S) as client:
             await client.delete(
                 f"/nodes/{self.node_id}", params={"cause": "shutdown"}, headers=self.membership.auth
@@ -221,6 +237,8 @@ class SchedulerHalf:
 
     def step_plan(self) -> StepPlan:
         plan, self._plan = self._plan, StepPlan()
+        while self._writers_gone:
+            plan.writers_gone.append(self._writers_gone.popleft())
         return plan
 
     def finished(self, request: Request, block_ids: list[int]) -> bool:

@@ -33,6 +33,7 @@ from kvroom_vllm.paged_kv import PagedKV, block_digests, host_bytes, plan_layers
 from kvroom_vllm.settings import VllmNodeSettings
 from kvroom_vllm.stats import WriteStats
 from shared.errors import PoolExhausted, RejectedMessage, TransferError
+from shared.kv import tcp_drain
 from shared.kv.aux_buffers import Aux, AuxBuffers, record_digest
 from shared.kv.digest import INLINE_BYTES
 from shared.kv.head_split import HeadRange, kv_heads, writers
@@ -140,6 +141,8 @@ class WorkerHalf:
         self._stats = WriteStats()
         self._writes = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="kvroom-write")
         self._loop = asyncio.new_event_loop()
+        # Loads whose writers are gone, until nothing those sent over TCP is still unread here.
+        self._landing = tcp_drain.AfterLanding(self._loop, settings.transport == "tcp", self._writes_ended)
         self._thread: threading.Thread | None = None
         self._zmq: zmq.Context | None = None
 
@@ -211,7 +214,8 @@ class WorkerHalf:
             with self._lock:
                 self._finished_recving.update(plan.refused)
                 self._invalid_blocks.update(b for blocks in plan.refused.values() for b in blocks)
-        if any((plan.loads, plan.sends, plan.stopped_loads, plan.revoked, plan.unsent, plan.scheduled)):
+        work = (plan.loads, plan.sends, plan.stopped_loads, plan.revoked, plan.unsent, plan.scheduled)
+        if any(work) or plan.writers_gone:
             self._loop.call_soon_threadsafe(self._take_plan, plan)
 
     def results(self) -> tuple[set[str], set[str], set[int], WorkerReport]:
@@ -268,6 +272,11 @@ class WorkerHalf:
             self._revoke_all(room, FailureReason.ABORTED)
         for room in plan.unsent:
             self._unsent(room)
+        for transfer in plan.writers_gone:
+            gone = self._loads.get(protocol.TransferId(transfer))
+            if gone is not None:
+                self._fail_load(gone, FailureReason.PEER_LOST)
+                self._landing.add(gone)
 
     def _start_load(self, load: Load) -> None:
         assert self.kv is not None
@@ -336,6 +345,13 @@ class WorkerHalf:
         the lease covers the rest, the request's transit included."""
         s = self.settings
         return s.lease_timeout_s + max(0.0, loading.asked_at + s.transfer_timeout_s - time.monotonic())
+
+    def _writes_ended(self, gone: list[Loading]) -> None:
+        """These loads' prefill processes ended, and what they sent has landed: no writer of
+        theirs can write any more."""
+        for loading in gone:
+            loading.released |= set(loading.writers)
+            self._settle_load(loading)
 
     def _settle_load(self, loading: Loading) -> None:
         if loading.failed is None or loading.fenced() or loading.settled:

@@ -9,16 +9,19 @@ has read every byte that came before a peer's FIN. Together: nothing from the de
 still landing, and its peer may reuse the memory its writes went to.
 """
 
+import asyncio
 import os
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Generic, TypeVar
 
 TABLES = ("/proc/net/tcp", "/proc/net/tcp6")
 # The kernel's state numbers (include/net/tcp_states.h).
 FIN_WAIT1, CLOSE_WAIT, CLOSING = 0x04, 0x08, 0x0B
 SOCKET_LINK = re.compile(r"^socket:\[(\d+)\]$")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,3 +81,30 @@ def closed_writes_read() -> bool:
     """In the receiving process: every byte its closed connections brought has been read."""
     own = own_socket_inodes()
     return not any(c.unread_after_close and c.inode in own for c in connections())
+
+
+class AfterLanding(Generic[T]):
+    """Things whose writers are gone (their process ended), handed to ``landed`` once nothing those
+    writers sent can still land here: over TCP, once this process has read every connection a
+    peer closed to its end, one look at the kernel every ``POLL_S`` serving all that wait; over
+    RDMA or NVLink at once (the peer's end is the end of its writes)."""
+
+    POLL_S = 0.01
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, tcp: bool, landed: Callable[[list[T]], None]):
+        self._loop = loop
+        self._tcp = tcp
+        self._landed = landed
+        self._waiting: list[T] = []
+
+    def add(self, item: T) -> None:
+        self._waiting.append(item)
+        if len(self._waiting) == 1:  # else a look is already due
+            self._look()
+
+    def _look(self) -> None:
+        if self._tcp and not closed_writes_read():
+            self._loop.call_later(self.POLL_S, self._look)
+            return
+        landed, self._waiting = self._waiting, []
+        self._landed(landed)

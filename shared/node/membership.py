@@ -50,6 +50,7 @@ class Membership:
         heartbeat: Callable[[], Heartbeat],
         known_rooms: Callable[[], list[Room]],
         orphaned: Callable[[list[protocol.TransferId]], None],
+        writers_gone: Callable[[list[protocol.TransferId]], None] | None = None,
     ):
         self.settings = settings
         self.node_id = node_id
@@ -58,6 +59,7 @@ class Membership:
         self._heartbeat = heartbeat
         self._known_rooms = known_rooms
         self._orphaned = orphaned
+        self._writers_gone = writers_gone  # a vLLM server's; a native node hears it in AbortRoom
         self.standing = Standing.STARTING
         self.problem: str | None = "not registered yet"
         self.registered = asyncio.Event()
@@ -107,6 +109,8 @@ class Membership:
                 len(registered.unknown_transfers),
             )
             self._orphaned(registered.unknown_transfers)
+        if registered.writers_gone and self._writers_gone is not None:
+            self._writers_gone(registered.writers_gone)
 
     async def _register(self, client: httpx.AsyncClient) -> None:
         reg = self._registration()

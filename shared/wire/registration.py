@@ -15,6 +15,8 @@ Role = Literal["prefill", "decode"]
 # Why a node leaves, as it tells the bootstrap: it was stopped, or it lost a rank process and
 # exits for its supervisor to start it again. A leave without one is an operator's.
 LeaveCause = Literal["shutdown", "rank_death"]
+# A heartbeat's answer names at most this many transfers whose writers are gone (the rest: the lease).
+MAX_WRITERS_GONE = 4096
 Z85_KEY = r"^[0-9a-zA-Z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}$"
 
 
@@ -151,6 +153,12 @@ class Registered(Strict):
     )
     unknown_transfers: list[protocol.TransferId] = Field(
         default=[], description="transfers of the heartbeat the cluster does not hold"
+    )
+    writers_gone: list[protocol.TransferId] = Field(
+        default=[],
+        max_length=MAX_WRITERS_GONE,
+        description="a vLLM decode server's transfers whose prefill process ended (it left, or was "
+        "restarted): nothing more is written for them once what was sent has landed",
     )
     params_key: str = Field(
         default="",

@@ -195,6 +195,37 @@ def test_transfer_parameters_the_bootstrap_did_not_issue_are_refused_and_nothing
         assert len(output_ids(client, answer)) == MAX_TOKENS
 
 
+def test_a_bootstrap_killed_with_rooms_in_flight_and_restarted_takes_both_servers_back(cluster, plain, model):
+    """The bootstrap (its memory store: it forgets every node, and its key is new) is SIGKILLed
+    while four requests decode: their clients get an error, both servers give their blocks back,
+    register again with the new bootstrap, and serve its rooms with its new signing key."""
+    prefill, decode = cluster.servers
+    # The longest prompt and 300 tokens out: in flight for seconds.
+    body = {"model": model.name, "prompt": prompts()[1], "max_tokens": 300, "temperature": 0}
+
+    def request(_) -> int | Exception:
+        try:
+            with cluster.client() as client:
+                return client.post("/v1/completions", json=body).status_code
+        except httpx.HTTPError as exc:
+            return exc
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        answers = [pool.submit(request, i) for i in range(4)]
+        until(lambda: decode.metric("vllm:num_requests_running") > 0, what="a request decoding")
+        cluster.bootstrap.kill()
+        ended = [a.result(timeout=60) for a in answers]
+    assert any(isinstance(e, httpx.HTTPError) for e in ended), ended  # at least one was cut off
+    usage = "vllm:kv_cache_usage_perc"
+    until(lambda: prefill.metric(usage) == decode.metric(usage) == 0, what="both servers' blocks free")
+    cluster.bootstrap.start()  # same ports, nothing remembered
+    for server in (prefill, decode):
+        cluster.wait_registered(server.name)
+    with cluster.client() as client:
+        for text in prompts()[-4:]:
+            assert output_ids(client, complete(client, model.name, text)) == plain[str(text)], text
+
+
 def test_a_server_that_stops_leaves_the_cluster_before_it_exits(cluster):
     prefill = cluster.servers[0]
     prefill.stop()  # SIGTERM, and wait for the process to exit

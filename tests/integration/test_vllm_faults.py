@@ -1,6 +1,7 @@
 """kvroom's guarantee and faults inside vLLM: real vLLM servers whose prefill ranks can hold back or
 change their done+aux (tests/support/vllm_hooks.py), behind a kvroom bootstrap that declares a
-silent node dead after 4 s. The tests run in order; the last two kill the prefill servers.
+silent node dead after 4 s. The tests run in order; the last three kill a decode server, kill a
+prefill server, and stop the last one.
 """
 
 import concurrent.futures
@@ -190,6 +191,35 @@ def test_clients_that_leave_mid_stream_abort_both_requests(cluster, hooks):
     until(lambda: blocks_free(prefill, decode), what="both servers' blocks free")
 
 
+def test_clients_that_leave_before_their_prompts_are_computed_free_the_decodes_blocks_at_once(cluster, hooks):
+    """The decode holds blocks for rooms whose prefill has not computed the prompt yet (a live,
+    busy prefill) when their clients leave: the prefill answers each revoke with "nothing will be
+    written", and the decode's blocks come back well before the lease would give them back."""
+    prefill, decode = cluster.servers[:2]
+    sent_before = prefill.metric("vllm:kvroom_sends_total")
+    (hooks / "stall").touch()
+    leave = threading.Event()
+    try:
+        left = [Stream(cluster, leave) for _ in range(8)]
+        until(lambda: len(list(hooks.glob("stalled-*"))) == len(left), what="every prompt waiting")
+        until(lambda: not blocks_free(decode), what="the decode's blocks taken")
+        leave.set()
+        for stream in left:
+            stream.done.result(timeout=60)
+        gone = max(stream.left for stream in left)
+        before_lease = gone + 0.8 * FAST["lease_timeout_s"] - time.monotonic()
+        until(lambda: blocks_free(decode), before_lease, "the decode's blocks back before the lease")
+        print(f"the decode's blocks were back {time.monotonic() - gone:.2f}s after the clients left")
+        for stream in left:
+            until(lambda s=stream: room(cluster, s.room)["finished"], what=f"room {stream.room} ended")
+            view = room(cluster, stream.room)
+            assert (view["state"], view["reason"]) == ("FAILED", "aborted"), view
+    finally:
+        (hooks / "stall").unlink()
+    assert prefill.metric("vllm:num_requests_waiting") == 0  # vLLM aborted them, uncomputed
+    assert prefill.metric("vllm:kvroom_sends_total") == sent_before  # and nothing was written
+
+
 def test_a_frozen_prefill_ends_its_requests_and_the_decode_frees_its_blocks(cluster):
     prefill, decode = cluster.servers
     prefill.signal(signal.SIGSTOP)
@@ -246,8 +276,33 @@ def served_by_other(cluster, other) -> None:
     raise AssertionError(f"no room was placed on {other.name}")
 
 
+def live(cluster, role: str):
+    """The last server of ``role`` started that still runs (the tests below kill some)."""
+    return [s for s in cluster.servers if role in s.name and s.proc is not None and s.proc.poll() is None][-1]
+
+
+def test_a_decode_killed_with_eight_rooms_in_flight_ends_them_and_the_prefill_frees_its_blocks(
+    cluster, hooks
+):
+    prefill, decode = live(cluster, "prefill"), live(cluster, "decode")
+    ended = kill_with_eight_in_flight(cluster, hooks, decode)
+    for answer in ended:
+        assert answer.status_code in (502, 503), answer.text
+        assert answer.json()["error"]["type"] == "server_error"
+    until(lambda: blocks_free(prefill), FAST["lease_timeout_s"] + 10, "the prefill's blocks free")
+    with httpx.Client(base_url=prefill.url) as client:
+        assert client.get("/health").status_code == 200
+    # A decode started in its place (as a supervisor would) serves the prefill's rooms.
+    again = cluster.server("decode", "vllm-decode-1", 1, **FAST).start()
+    again.wait_ready()
+    cluster.wait_registered(again.name)
+    with cluster.client() as client:
+        answer = client.post("/v1/completions", json=body(cluster))
+        assert answer.status_code == 200, answer.text
+
+
 def test_a_prefill_killed_with_eight_rooms_in_flight_moves_them_to_another_prefill(cluster, hooks):
-    prefill, decode = cluster.servers[:2]
+    prefill, decode = live(cluster, "prefill"), live(cluster, "decode")
     with cluster.client() as client:
         want = client.post("/v1/completions", json=body(cluster)).json()["choices"][0]["text"]
     other = cluster.server("prefill", "vllm-prefill-1", 0, **FAST).start()
@@ -260,12 +315,33 @@ def test_a_prefill_killed_with_eight_rooms_in_flight_moves_them_to_another_prefi
     until(lambda: blocks_free(decode, other), timeout=FAST["lease_timeout_s"] + 10, what="blocks free")
 
 
-def test_the_last_prefill_killed_with_eight_rooms_in_flight_ends_them_with_an_error(cluster, hooks):
-    decode, last = cluster.servers[1], cluster.servers[2]
-    ended = kill_with_eight_in_flight(cluster, hooks, last)
+def test_the_last_prefill_stopped_with_eight_rooms_in_flight_leaves_and_the_decode_frees_their_blocks(
+    cluster, hooks
+):
+    """A stopped prefill leaves the cluster once its host's kernel has sent what its sockets held:
+    the rooms end with an error, and their decode, told in its next heartbeat's answer that the
+    writers are gone, frees their blocks well before the fence (at least the lease after the rooms
+    failed) would end."""
+    decode, last = live(cluster, "decode"), live(cluster, "prefill")
+    stopping = threading.Thread(target=last.stop)
+    (hooks / "hold").touch()
+    try:
+        with cluster.client() as client, concurrent.futures.ThreadPoolExecutor(8) as pool:
+            answers = [pool.submit(client.post, "/v1/completions", json=body(cluster)) for _ in range(8)]
+            until(lambda: held_count(hooks, answers) == 8, timeout=90, what="8 rooms held in flight")
+            stopping.start()
+            until(lambda: all(n["node_id"] != last.name for n in cluster.nodes()), 30, "the prefill left")
+            left = time.monotonic()
+            before_lease = 0.8 * FAST["lease_timeout_s"]
+            until(lambda: blocks_free(decode), before_lease, "the decode's blocks back before the lease")
+            print(f"the decode's blocks were back {time.monotonic() - left:.2f}s after the prefill left")
+            ended = [a.result(timeout=60) for a in answers]
+    finally:
+        (hooks / "hold").unlink()
+        if stopping.ident is not None:
+            stopping.join()
     for answer in ended:
         assert answer.status_code in (502, 503), answer.text
         assert answer.json()["error"]["type"] == "server_error"
-    until(lambda: blocks_free(decode), timeout=FAST["lease_timeout_s"] + 10, what="the decode's blocks free")
     with httpx.Client(base_url=decode.url) as client:
         assert client.get("/health").status_code == 200

@@ -3,12 +3,14 @@
 The test drives it with files in the directory ``$KVROOM_TEST_HOOKS`` names: while ``hold``
 exists, done+aux waits (and ``held-<transfer>`` says one is waiting); while ``tamper`` exists,
 each record leaves with one bit flipped; while ``deaf`` exists, revokes are not heard (as if the
-decode's messages no longer reached the prefill).
+decode's messages no longer reached the prefill); while ``stall`` exists, a prefill server computes
+no prompt (``stalled-<request>`` says which wait), as a busy one would not yet.
 """
 
 import asyncio
 import os
 from pathlib import Path
+from typing import Any
 
 from kvroom_vllm.connector import KvroomConnector
 from kvroom_vllm.worker import WorkerHalf
@@ -40,3 +42,10 @@ class HookedWorker(WorkerHalf):
 
 class HookedKvroomConnector(KvroomConnector):
     worker_class = HookedWorker
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        hooks = Path(os.environ["KVROOM_TEST_HOOKS"])
+        if self._kv_transfer_config.kv_role == "kv_producer" and (hooks / "stall").exists():
+            (hooks / f"stalled-{request.request_id}").touch()
+            return None, False  # vLLM leaves the request waiting, and asks again next step
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)

@@ -277,6 +277,27 @@ def test_an_abort_ends_both_requests_and_tells_the_nodes_nothing_over_zmq(fake, 
             assert node.leader.sock.poll(100) == 0  # no assignment, no AbortRoom
 
 
+@pytest.mark.parametrize(("how", "writes_ended"), [("left", True), ("unhealthy", False)])
+def test_a_vllm_decode_hears_in_its_next_heartbeats_answer_that_its_rooms_writer_left(
+    fake, nodes, how, writes_ended
+):
+    """vLLM serves no AbortRoom: the decode server learns that the prefill process it loads from
+    ended (evidence that frees its blocks once what was sent has landed) from the bootstrap's
+    answer to its next heartbeat, once; evidence short of that tells it nothing."""
+    with make_client(node_ttl_s=60.0, max_attempts=1) as client:
+        room = held_in_flight(client, fake, nodes)
+        transfer = room_of(client, room)["attempts"][-1]["transfer"]
+        if how == "left":
+            assert client.delete("/nodes/p0", headers=AUTH).status_code == 200
+        else:
+            beat = {"healthy": False, "problem": "rank 0 exited with code -9"}
+            assert client.put("/nodes/p0/heartbeat", json=beat, headers=AUTH).status_code == 200
+        assert room_of(client, room)["reason"] == "peer_lost"
+        answers = [client.put("/nodes/d0/heartbeat", json={}, headers=AUTH).json() for _ in range(2)]
+        assert [a["writers_gone"] for a in answers] == [[transfer] if writes_ended else [], []]
+        assert nodes["d0"].leader.sock.poll(100) == 0  # nothing over ZMQ
+
+
 def test_closing_the_bootstrap_ends_the_requests_in_flight(fake, nodes):
     with make_client(node_ttl_s=60.0) as client:
         held_in_flight(client, fake, nodes)

@@ -18,6 +18,7 @@ from kvroom_vllm.paged_kv import PagedKV, block_digests, paged_kv
 from kvroom_vllm.settings import settings_from
 from kvroom_vllm.worker import WorkerHalf
 from launcher.local_stack import free_port
+from shared.kv import tcp_drain
 from shared.kv.aux_buffers import AUX_RECORD
 from shared.kv.head_split import HeadRange
 from shared.kv.transfer import MooncakeEngine
@@ -25,6 +26,7 @@ from shared.room.states import FailureReason
 from shared.wire import protocol
 from tests.support import until
 from tests.support.fakes import FakeEngine
+from tests.support.sockets import loopback_connection
 
 LAYERS, BLOCKS, HEADS, TOKENS, CHANNELS = 3, 16, 2, 4, 8  # a block: 2 heads of 4 tokens, K|V of 4
 VOCAB = 512
@@ -385,6 +387,32 @@ def test_a_failed_loads_blocks_stay_fenced_until_the_latest_moment_a_silent_writ
         assert decode.invalid == {2, 9, 11} and "d-1" in decode.failed and "d-1" not in decode.recving
         until(lambda: "d-1" in decode.poll().recving, timeout=5)
         assert time.monotonic() - asked >= 0.6 + 0.4 > failed_at
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_a_load_whose_prefill_process_ended_is_vllms_again_once_what_it_sent_over_tcp_is_read():
+    """The bootstrap says the load's prefill left (``writers_gone``): vLLM hears of the failure at
+    once, and gets the blocks back long before the fence would end, but only once the bytes the
+    gone writer's kernel sent to this process have been read."""
+    directory: dict = {}
+    prefill = Rank("prefill", directory, transfer_timeout_s=30.0)  # never sent: it stays silent
+    decode = Rank("decode", directory, transfer_timeout_s=30.0, lease_timeout_s=30.0)
+    try:
+        with loopback_connection() as (writer, reader, _):
+            writer.sendall(b"k" * 100)
+            writer.close()  # the gone writer's end; 100 bytes and its FIN wait in this process
+            until(lambda: not tcp_drain.closed_writes_read(), what="the FIN")
+            load(decode, prefill)
+            decode.half.take_plan(StepPlan(writers_gone=[TRANSFER]))
+            until(lambda: decode.poll().invalid, timeout=5)
+            assert decode.failed == {"d-1": FailureReason.PEER_LOST} and decode.invalid == {2, 9, 11}
+            time.sleep(0.1)  # ten looks at the kernel's table: none may free them
+            assert "d-1" not in decode.poll().recving
+            assert reader.recv(200) == b"k" * 100  # the transport reads them
+            until(lambda: "d-1" in decode.poll().recving, timeout=5)
+            assert decode.half.aux.free_slots == decode.half.aux.slots
     finally:
         prefill.close()
         decode.close()

@@ -261,3 +261,19 @@ def test_a_prefill_request_with_forged_parameters_is_never_computed_or_sent(half
     assert half.finished(forged, [3]) is False
     plan = half.step_plan()
     assert plan.refused == {"p1": [3]} and plan.sends == [] and plan.scheduled == [] and plan.unsent == []
+
+
+@pytest.mark.parametrize("half", ["decode"], indirect=True)
+def test_writers_the_bootstraps_heartbeat_answer_names_gone_reach_the_workers_in_the_next_plan(half):
+    answer = {
+        "node_id": NODE,
+        "bootstraps": [{"id": "b0", "report_endpoint": f"tcp://127.0.0.1:{free_port()}", "public_key": ""}],
+        "node_ttl_s": 10.0,
+        "epoch": "e0",
+        "writers_gone": [7, 9],
+    }
+    half._loop.call_soon_threadsafe(half.membership._accept, answer)  # on the node's thread
+    plans = []
+    until(lambda: plans.append(half.step_plan()) or any(p.writers_gone for p in plans))
+    assert [t for p in plans for t in p.writers_gone] == [7, 9]
+    assert half.step_plan().writers_gone == []  # once
