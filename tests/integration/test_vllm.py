@@ -219,6 +219,7 @@ def test_a_bootstrap_killed_with_rooms_in_flight_and_restarted_takes_both_server
     usage = "vllm:kv_cache_usage_perc"
     until(lambda: prefill.metric(usage) == decode.metric(usage) == 0, what="both servers' blocks free")
     cluster.bootstrap.start()  # same ports, nothing remembered
+    cluster.bootstrap.wait_healthy(registered=False)
     for server in (prefill, decode):
         cluster.wait_registered(server.name)
     with cluster.client() as client:

@@ -1,14 +1,17 @@
 """kvroom's guarantee and faults inside vLLM: real vLLM servers whose prefill ranks can hold back or
 change their done+aux (tests/support/vllm_hooks.py), behind a kvroom bootstrap that declares a
-silent node dead after 4 s. The tests run in order; the last three kill a decode server, kill a
-prefill server, and stop the last one.
+silent node dead after 4 s. The tests run in order; the last four kill a decode server, kill a
+prefill server, kill a prefill's worker process, and stop the last prefill.
 """
 
 import concurrent.futures
+import contextlib
 import json
+import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -313,6 +316,60 @@ def test_a_prefill_killed_with_eight_rooms_in_flight_moves_them_to_another_prefi
     assert [a.status_code for a in ended] == [200] * 8, [a.text for a in ended]
     assert all(a.json()["choices"][0]["text"] == want for a in ended)
     until(lambda: blocks_free(decode, other), timeout=FAST["lease_timeout_s"] + 10, what="blocks free")
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError, ValueError):
+            stat = (entry / "stat").read_text()
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def worker_process(server) -> int:
+    """The pid of the server's vLLM worker: a process of its own under the engine core."""
+    (engine,) = [
+        c for c in children(server.proc.pid) if Path(f"/proc/{c}/comm").read_text().startswith("VLLM::Engine")
+    ]
+    (worker,) = [
+        c for c in children(engine) if b"resource_tracker" not in Path(f"/proc/{c}/cmdline").read_bytes()
+    ]
+    return worker
+
+
+def test_a_prefill_whose_worker_dies_leaves_at_once_and_the_decode_frees_its_rooms_blocks(cluster, hooks):
+    """vLLM ends a server whose worker process died; the connector's part is that the cluster
+    hears it at once, well within the node TTL, from the server leaving, and the decode frees the
+    blocks of the rooms that failed with it well before their fence would end. A prefill started
+    in its place (as a supervisor would) serves."""
+    decode, victim = live(cluster, "decode"), live(cluster, "prefill")
+    (hooks / "hold").touch()
+    with cluster.client() as client, concurrent.futures.ThreadPoolExecutor(8) as pool:
+        answers = [pool.submit(client.post, "/v1/completions", json=body(cluster)) for _ in range(8)]
+        try:
+            until(lambda: held_count(hooks, answers) == 8, timeout=90, what="8 rooms held in flight")
+            os.kill(worker_process(victim), signal.SIGKILL)
+            killed = time.monotonic()
+            gone = lambda: all(n["node_id"] != victim.name for n in cluster.nodes())  # noqa: E731
+            until(gone, 0.75 * NODE_TTL_S, "the prefill to leave, before its TTL")
+            left = time.monotonic()
+            print(f"the prefill left {left - killed:.2f}s after its worker was killed")
+            until(lambda: blocks_free(decode), 0.8 * FAST["lease_timeout_s"], "the decode's blocks back")
+            print(f"the decode's blocks were back {time.monotonic() - left:.2f}s after the prefill left")
+        finally:
+            (hooks / "hold").unlink()
+        ended = [a.result(timeout=60) for a in answers]
+    for answer in ended:  # no other prefill to move them to
+        assert answer.status_code in (502, 503), answer.text
+    victim.proc.wait(30)  # vLLM ended the server (vLLM 0.32 exits with status 0 then)
+    again = cluster.server("prefill", "vllm-prefill-2", 0, **FAST).start()
+    again.wait_ready()
+    cluster.wait_registered(again.name)
+    with cluster.client() as client:
+        answer = client.post("/v1/completions", json=body(cluster))
+        assert answer.status_code == 200, answer.text
 
 
 def test_the_last_prefill_stopped_with_eight_rooms_in_flight_leaves_and_the_decode_frees_their_blocks(
