@@ -105,13 +105,33 @@ def _cut(text: str, stops: list[str]) -> str:
     return text[:at]
 
 
-async def _finished(cluster: Any, room: RoomData) -> RoomData:
-    done = await cluster.wait(room.room, cluster.settings.request_timeout_s, lambda r: r.done)
+async def _finished(request: Request, cluster: Any, room: RoomData) -> RoomData:
+    """The room's end. A client that leaves before it ends the room on both nodes now, as vLLM
+    aborts a request whose client left (a stream's end does the same, in ``_events``)."""
+    ended = asyncio.ensure_future(
+        cluster.wait(room.room, cluster.settings.request_timeout_s, lambda r: r.done)
+    )
+    left = asyncio.ensure_future(_client_left(request))
+    try:
+        await asyncio.wait({ended, left}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        left.cancel()
+    if not ended.done():
+        ended.cancel()
+        cluster.abort_soon(room.room)
+        raise OpenAIError(499, "the client closed its connection", "invalid_request_error")
+    done: RoomData | None = ended.result()
     if done is None or not done.done:
         raise OpenAIError(504, f"room {room.room} did not finish in time", "server_error")
     if done.failed:
         raise OpenAIError(502, f"room {room.room} failed: {done.reason}", "server_error", code=done.reason)
     return done
+
+
+async def _client_left(request: Request) -> None:
+    """Returns once the client closed its connection (its body is read: nothing else comes)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _usage(room: RoomData, streamed: list[int]) -> dict[str, int]:
@@ -235,7 +255,7 @@ async def list_models(cluster: ClusterDep) -> dict[str, Any]:
 
 
 @router.post("/completions", response_model=None)
-async def completions(body: CompletionRequest, cluster: ClusterDep) -> Response:
+async def completions(body: CompletionRequest, request: Request, cluster: ClusterDep) -> Response:
     _check_model(cluster, body.model)
     ids = encode(cluster.tokenizer, body.prompt, "prompt") if isinstance(body.prompt, str) else body.prompt
     room = await _place(cluster, ids, body.max_tokens, body, ("prompt", "max_tokens"))
@@ -253,14 +273,14 @@ async def completions(body: CompletionRequest, cluster: ClusterDep) -> Response:
     usage = bool(body.stream_options and body.stream_options.include_usage)
     if body.stream:
         return _stream(_events(cluster, room.room, body.stops(), chunk, usage))
-    room = await _finished(cluster, room)
+    room = await _finished(request, cluster, room)
     text = _cut(cluster.tokenizer.decode(room.output_ids or []), body.stops())
     answer = chunk(text, room.finish_reason or "length")
     return JSONResponse({**answer, "usage": _usage(room, [])})
 
 
 @router.post("/chat/completions", response_model=None)
-async def chat_completions(body: ChatRequest, cluster: ClusterDep) -> Response:
+async def chat_completions(body: ChatRequest, request: Request, cluster: ClusterDep) -> Response:
     _check_model(cluster, body.model)
     try:
         ids = cluster.tokenizer.chat([m.model_dump() for m in body.messages])
@@ -286,7 +306,7 @@ async def chat_completions(body: ChatRequest, cluster: ClusterDep) -> Response:
     usage = bool(body.stream_options and body.stream_options.include_usage)
     if body.stream:
         return _stream(_events(cluster, room.room, body.stops(), chunk, usage))
-    room = await _finished(cluster, room)
+    room = await _finished(request, cluster, room)
     text = _cut(cluster.tokenizer.decode(room.output_ids or []), body.stops())
     return JSONResponse(
         {

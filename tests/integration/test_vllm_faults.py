@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import threading
 import time
 from pathlib import Path
@@ -189,6 +190,36 @@ def test_clients_that_leave_mid_stream_abort_both_requests(cluster, hooks):
             until(lambda s=stream: room(cluster, s.room)["finished"], what=f"room {stream.room} ended")
             view = room(cluster, stream.room)
             assert (view["state"], view["reason"]) == ("FAILED", "aborted"), view
+    finally:
+        (hooks / "hold").unlink()
+    until(lambda: blocks_free(prefill, decode), what="both servers' blocks free")
+
+
+def aborted_rooms(cluster) -> float:
+    for line in httpx.get(f"{cluster.bootstrap.url}/metrics", timeout=5.0).text.splitlines():
+        if line.startswith('kvroom_room_failures_total{reason="aborted"}'):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_a_client_that_leaves_a_whole_completion_aborts_both_requests(cluster, hooks):
+    """Not streamed, the client hears nothing before the end; it leaves before that, and the room
+    ends on both servers then (as vLLM ends a request whose client left), not when it would have
+    finished."""
+    prefill, decode = cluster.servers[:2]
+    aborted = aborted_rooms(cluster)
+    payload = json.dumps(body(cluster)).encode()
+    head = "POST /v1/completions HTTP/1.1\r\nHost: kvroom\r\nContent-Type: application/json\r\n"
+    (hooks / "hold").touch()
+    try:
+        with socket.create_connection(("127.0.0.1", cluster.bootstrap.http_port)) as client:
+            client.sendall(f"{head}Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+            until(lambda: list(hooks.glob("held-*")), what="its done+aux held")
+            assert not blocks_free(decode)
+        left = time.monotonic()
+        until(lambda: aborted_rooms(cluster) == aborted + 1, what="the room aborted")
+        before_lease = left + 0.8 * FAST["lease_timeout_s"] - time.monotonic()
+        until(lambda: blocks_free(decode), before_lease, "the decode's blocks back before the lease")
     finally:
         (hooks / "hold").unlink()
     until(lambda: blocks_free(prefill, decode), what="both servers' blocks free")
