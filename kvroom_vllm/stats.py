@@ -1,6 +1,8 @@
-"""What a server's ranks wrote, for vLLM's stat loggers: its periodic "KV Transfer metrics" log
-line and Prometheus counters on the server's ``/metrics`` (``vllm:kvroom_sends_total``,
-``vllm:kvroom_writes_total``, ``vllm:kvroom_bytes_written_total``).
+"""What a server's ranks wrote, and how the blocks of failed loads came back, for vLLM's stat
+loggers: its periodic "KV Transfer metrics" log line and Prometheus counters on the server's
+``/metrics`` (``vllm:kvroom_sends_total``, ``vllm:kvroom_writes_total``,
+``vllm:kvroom_bytes_written_total``, and
+``vllm:kvroom_failed_load_blocks_{answered,writers_gone,expired}_total``).
 
 A send is one decode rank's blocks of one prompt, written whole; a write is one engine write
 descriptor (a layer's run of blocks, for the heads one rank holds).
@@ -12,11 +14,26 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-COUNTS = ("sends", "writes", "bytes")
+# How a failed load's blocks came back to vLLM: once every writer answered, once the writers'
+# process was known to have ended, or at the fence's end with the writers silent.
+FREED = ("answered", "writers_gone", "expired")
+COUNTS = ("sends", "writes", "bytes", *(f"freed_{how}" for how in FREED))
 PROMETHEUS = {  # count: (its counter's name, what it counts)
     "sends": ("sends", "Prompts' KV a prefill rank wrote whole into a decode rank's blocks"),
     "writes": ("writes", "Engine write descriptors of those sends (a layer's run of blocks each)"),
     "bytes": ("bytes_written", "Bytes of KV those sends wrote"),
+    "freed_answered": (
+        "failed_load_blocks_answered",
+        "Blocks of failed loads given back to vLLM once every writer had answered",
+    ),
+    "freed_writers_gone": (
+        "failed_load_blocks_writers_gone",
+        "Blocks of failed loads given back once their prefill process had ended and what it sent had landed",
+    ),
+    "freed_expired": (
+        "failed_load_blocks_expired",
+        "Blocks of failed loads given back at their fence's end, their writers silent",
+    ),
 }
 
 
@@ -30,6 +47,9 @@ class WriteStats(KVConnectorStats):
         self.data["sends"] += 1
         self.data["writes"] += writes
         self.data["bytes"] += nbytes
+
+    def freed(self, how: str, blocks: int) -> None:
+        self.data[f"freed_{how}"] += blocks
 
     def reset(self) -> None:
         self.data = dict.fromkeys(COUNTS, 0)
@@ -46,10 +66,11 @@ class WriteStats(KVConnectorStats):
             "writes": self.data["writes"],
             "writes_per_send": round(self.data["writes"] / sends, 1) if sends else 0,
             "MiB": round(self.data["bytes"] / 2**20, 2),
+            **{f"failed_load_blocks_{how}": self.data[f"freed_{how}"] for how in FREED},
         }
 
     def is_empty(self) -> bool:
-        return self.data["sends"] == 0
+        return not any(self.data.values())
 
 
 class WritePromMetrics(KVConnectorPromMetrics):

@@ -67,6 +67,7 @@ class Loading:
     timer: asyncio.TimerHandle | None = None
     settled: bool = False  # its slot freed and vLLM told: once
     asked_at: float = field(default_factory=time.monotonic)  # its transfer requests went out
+    freed: str = "answered"  # how its blocks come back once it failed (kvroom_vllm.stats.FREED)
 
     def fenced(self) -> bool:
         """Whether a write of this load may still land."""
@@ -315,6 +316,7 @@ class WorkerHalf:
             self._fail_load(loading, FailureReason.AUX_TIMEOUT if done else FailureReason.TRANSFER_TIMEOUT)
         else:  # the lease ran out: whatever was still moving has landed or never will
             loading.released |= set(loading.writers)
+            loading.freed = "expired"
             self._settle_load(loading)
 
     def _fail_load(self, loading: Loading, reason: str) -> None:
@@ -351,6 +353,7 @@ class WorkerHalf:
         theirs can write any more."""
         for loading in gone:
             loading.released |= set(loading.writers)
+            loading.freed = "writers_gone"
             self._settle_load(loading)
 
     def _settle_load(self, loading: Loading) -> None:
@@ -361,6 +364,8 @@ class WorkerHalf:
             loading.timer.cancel()
         self._loads.pop(loading.load.room.transfer, None)
         self.aux.free(loading.slot)
+        with self._lock:
+            self._stats.freed(loading.freed, len(loading.load.blocks))
         self._finish_load(loading.load, None)  # its failure and blocks were named when it failed
 
     def _finish_load(self, load: Load, failed: str | None, digest: int | None = None) -> None:

@@ -424,6 +424,8 @@ def test_the_last_prefill_stopped_with_eight_rooms_in_flight_leaves_and_the_deco
             until(lambda: blocks_free(decode), before_lease, "the decode's blocks back before the lease")
             print(f"the decode's blocks were back {time.monotonic() - left:.2f}s after the prefill left")
             ended = [a.result(timeout=60) for a in answers]
+        freed = "vllm:kvroom_failed_load_blocks_writers_gone_total"  # vLLM publishes it a step later
+        until(lambda: decode.metric(freed) >= 8, what="the blocks counted as freed on the writers' end")
     finally:
         (hooks / "hold").unlink()
         if stopping.ident is not None:

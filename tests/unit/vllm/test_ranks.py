@@ -119,6 +119,9 @@ def test_a_prompt_moves_block_by_block_layer_by_layer_and_both_finish():
             "sends": 1,
             "writes": LAYERS * 3,
             "bytes": LAYERS * 3 * prefill.half.kv.block_bytes,
+            "freed_answered": 0,
+            "freed_writers_gone": 0,
+            "freed_expired": 0,
         }
         assert decode.half.take_stats() is None
     finally:
@@ -387,6 +390,8 @@ def test_a_failed_loads_blocks_stay_fenced_until_the_latest_moment_a_silent_writ
         assert decode.invalid == {2, 9, 11} and "d-1" in decode.failed and "d-1" not in decode.recving
         until(lambda: "d-1" in decode.poll().recving, timeout=5)
         assert time.monotonic() - asked >= 0.6 + 0.4 > failed_at
+        stats = decode.half.take_stats()  # counted as blocks freed at the fence's end
+        assert stats is not None and stats.data["freed_expired"] == 3
     finally:
         prefill.close()
         decode.close()
@@ -413,6 +418,12 @@ def test_a_load_whose_prefill_process_ended_is_vllms_again_once_what_it_sent_ove
             assert reader.recv(200) == b"k" * 100  # the transport reads them
             until(lambda: "d-1" in decode.poll().recving, timeout=5)
             assert decode.half.aux.free_slots == decode.half.aux.slots
+            stats = decode.half.take_stats()  # counted as blocks freed on the writers' certain end
+            assert (
+                stats is not None
+                and stats.data["freed_writers_gone"] == 3
+                and stats.data["freed_expired"] == 0
+            )
     finally:
         prefill.close()
         decode.close()
