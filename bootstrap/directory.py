@@ -142,8 +142,9 @@ class NodeDirectory:
             node_ttl_s=self._settings.node_ttl_s,
             epoch=await self._store.epoch(),
             unknown_transfers=unknown,
-            writers_gone=self._lifecycle.writers_gone(node.id) if beat is not None else [],
             params_key=(await self._store.params_key()).hex(),
+            # Taken last: an answer that fails before it takes nothing away.
+            writers_gone=self._lifecycle.writers_gone(node.id) if beat is not None else [],
         )
 
     async def register(self, reg: NodeRegistration) -> Node:
@@ -216,6 +217,7 @@ class NodeDirectory:
         self._left.labels(cause).inc()
         await self._lifecycle.fail_rooms_of(node_id, "left")
         await self._store.remove_node(node_id)
+        self._lifecycle.writers_gone(node_id)  # what it had still to hear of is moot now
         if node is not None:
             for rank in node.reg.ranks:
                 self._push.forget(rank.zmq_endpoint)

@@ -114,10 +114,10 @@ async def _finished(request: Request, cluster: Any, room: RoomData) -> RoomData:
     left = asyncio.ensure_future(_client_left(request))
     try:
         await asyncio.wait({ended, left}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        left.cancel()
-    if not ended.done():
+    finally:  # both, also when this handler is cancelled
         ended.cancel()
+        left.cancel()
+    if ended.cancelled():
         cluster.abort_soon(room.room)
         raise OpenAIError(499, "the client closed its connection", "invalid_request_error")
     done: RoomData | None = ended.result()
@@ -130,8 +130,9 @@ async def _finished(request: Request, cluster: Any, room: RoomData) -> RoomData:
 
 async def _client_left(request: Request) -> None:
     """Returns once the client closed its connection (its body is read: nothing else comes)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+    with contextlib.suppress(Exception):  # a receive that fails: the client is gone as well
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
 
 
 def _usage(room: RoomData, streamed: list[int]) -> dict[str, int]:

@@ -87,7 +87,7 @@ class DecodeService(RankService):
         self.fenced: dict[int, DecodeJob] = {}
         # Rooms whose writers are gone, until nothing they sent over TCP is still unread.
         tcp = self.settings.transport == "tcp"
-        self._landing = tcp_drain.AfterLanding(self.loop, tcp, self._writes_ended)
+        self._landing = tcp_drain.AfterLanding(self.loop, tcp, lambda job: job.lent, self._writes_ended)
         self.requests: PerTurn[protocol.TransferRequest] = PerTurn(self._send_requests)
 
     def health(self) -> protocol.RankHealth:
@@ -520,7 +520,7 @@ class DecodeService(RankService):
     def _writes_ended(self, jobs: list[DecodeJob]) -> None:
         """The writers of these rooms are gone (their node left, or another took its id), and what
         they sent has landed: their leases close, and the rooms fenced for them are released."""
-        for job in (j for j in jobs if j.lent):  # the others closed meanwhile
+        for job in jobs:
             for lease in job.leases.values():
                 lease.revoke()
             if self.fenced.get(job.id) is job:

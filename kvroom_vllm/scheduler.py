@@ -25,6 +25,7 @@ from vllm.v1.request import Request, RequestStatus
 
 from kvroom_vllm.messages import Load, RankHandshake, Send, StepPlan, TransferGrant, WorkerReport, room_params
 from kvroom_vllm.settings import VllmNodeSettings
+from kvroom_vllm.worker import writes_may_move
 from shared.cli import VERSION
 from shared.kv import tcp_drain
 from shared.models.files import tokenizer_digest, weights_digest
@@ -163,18 +164,25 @@ class SchedulerHalf:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(5)
 
+    def _writes_over(self) -> bool:
+        """No write of this server's may still move: none of a worker half in this process (vLLM's
+        in-process executor), and over TCP nothing that closed sockets held is still unsent."""
+        if writes_may_move():
+            return False
+        return self.settings.transport != "tcp" or tcp_drain.dead_writes_sent()
+
     async def _leave(self) -> None:
         """Leaving tells the decodes that this server writes no more, and they free the blocks it
-        could write at once: a prefill leaves only once its host's kernel has sent what its
-        workers' closed sockets held (docs/failures.md), within a bound, past which it exits
-        without a word and the decodes wait out the lease."""
-        if self.role == "prefill" and self.settings.transport == "tcp":
+        could write at once: a prefill leaves only once its writes are over (docs/failures.md),
+        within a bound, past which it exits without a word and the decodes wait out the lease."""
+        if self.role == "prefill":
             settle = time.monotonic() + WRITES_SETTLE_S
-            while not tcp_drain.dead_writes_sent():
+            while not self._writes_over():
                 if time.monotonic() > settle:
                     log.warning("writes in flight after %.1fs: exiting without leaving", WRITES_SETTLE_S)
                     return
                 await asyncio.sleep(0.05)
+        self.membership.leaving()  # a beat after the leave must not register the server again
         async with httpx.AsyncClient(base_url=self.settings.bootstrap_url, timeout=LEAVE_TIMEOUT_S) as client:
             await client.delete(
                 f"/nodes/{self.node_id}", params={"cause": "shutdown"}, headers=self.membership.auth

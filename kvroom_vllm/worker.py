@@ -21,6 +21,7 @@ import concurrent.futures
 import logging
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +52,16 @@ log = logging.getLogger(__name__)
 
 # Transfer requests that came before their prompt was computed, held at most this many.
 MAX_EARLY_REQUESTS = 4096
+
+# The worker halves this process runs (one, or none where vLLM runs its workers apart).
+_IN_PROCESS: "weakref.WeakSet[WorkerHalf]" = weakref.WeakSet()
+
+
+def writes_may_move() -> bool:
+    """Whether a worker half of this process has a write that may still move bytes: with vLLM's
+    in-process executor (TP 1 on a GPU) a prefill's writes are its scheduler's process's own. Read
+    at vLLM's shutdown, once the workers' loops stopped: a write their loop did not see end counts."""
+    return any(half.writing() for half in list(_IN_PROCESS))
 
 
 @dataclass
@@ -143,9 +154,12 @@ class WorkerHalf:
         self._writes = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="kvroom-write")
         self._loop = asyncio.new_event_loop()
         # Loads whose writers are gone, until nothing those sent over TCP is still unread here.
-        self._landing = tcp_drain.AfterLanding(self._loop, settings.transport == "tcp", self._writes_ended)
+        self._landing = tcp_drain.AfterLanding(
+            self._loop, settings.transport == "tcp", lambda loading: not loading.settled, self._writes_ended
+        )
         self._thread: threading.Thread | None = None
         self._zmq: zmq.Context | None = None
+        _IN_PROCESS.add(self)
 
     # -- vLLM's thread ----------------------------------------------------------------
 
@@ -232,6 +246,11 @@ class WorkerHalf:
             invalid, self._invalid_blocks = self._invalid_blocks, set()
             transferring, self._transferring = self._transferring, set()
         return sending, recving, invalid, WorkerReport(failed, transferring, ready)
+
+    def writing(self) -> bool:
+        """Whether a write of this rank may still move bytes (until its end was seen, a write given
+        up on at its deadline until its lease ran out)."""
+        return any(sending.writing for sending in list(self._sends.values()))
 
     def take_stats(self) -> WriteStats | None:
         """What this rank wrote since the last call, for vLLM's stat loggers (None: nothing)."""
@@ -364,8 +383,9 @@ class WorkerHalf:
             loading.timer.cancel()
         self._loads.pop(loading.load.room.transfer, None)
         self.aux.free(loading.slot)
-        with self._lock:
-            self._stats.freed(loading.freed, len(loading.load.blocks))
+        if self.rank == 0:  # every worker frees the same blocks: counted once
+            with self._lock:
+                self._stats.freed(loading.freed, len(loading.load.blocks))
         self._finish_load(loading.load, None)  # its failure and blocks were named when it failed
 
     def _finish_load(self, load: Load, failed: str | None, digest: int | None = None) -> None:

@@ -87,13 +87,21 @@ class AfterLanding(Generic[T]):
     """Things whose writers are gone (their process ended), handed to ``landed`` once nothing those
     writers sent can still land here: over TCP, once this process has read every connection a
     peer closed to its end, one look at the kernel every ``POLL_S`` serving all that wait; over
-    RDMA or NVLink at once (the peer's end is the end of its writes)."""
+    RDMA or NVLink at once (the peer's end is the end of its writes). A thing that no longer
+    ``waits`` (its fence ended meanwhile) is dropped, and with none left the looks stop."""
 
     POLL_S = 0.01
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, tcp: bool, landed: Callable[[list[T]], None]):
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        tcp: bool,
+        waits: Callable[[T], bool],
+        landed: Callable[[list[T]], None],
+    ):
         self._loop = loop
         self._tcp = tcp
+        self._waits = waits
         self._landed = landed
         self._waiting: list[T] = []
 
@@ -103,6 +111,9 @@ class AfterLanding(Generic[T]):
             self._look()
 
     def _look(self) -> None:
+        self._waiting = [item for item in self._waiting if self._waits(item)]
+        if not self._waiting:
+            return
         if self._tcp and not closed_writes_read():
             self._loop.call_later(self.POLL_S, self._look)
             return

@@ -153,7 +153,7 @@ class Membership:
                         refused = resp.status_code in REFUSED
                         raise RegistrationError(f"heartbeat: {resp.status_code} {_detail(resp)}", refused)
                     self._accept(resp.json())
-                    if not draining:
+                    if self.standing is not Standing.DRAINING:  # it may have begun during the beat
                         self.standing, self.problem = Standing.REGISTERED, None
                     retry = s.register_retry_s
                 except (httpx.HTTPError, RegistrationError, ValueError) as exc:
@@ -181,6 +181,11 @@ class Membership:
     def beat_now(self) -> None:
         """Send the next heartbeat at once: the node's health changed."""
         self._beat_now.set()
+
+    def leaving(self) -> None:
+        """The node is about to leave the cluster: a bootstrap that no longer knows it then ends
+        the heartbeats, rather than taking a new registration (the node would be listed again)."""
+        self.standing, self.problem = Standing.DRAINING, "leaving"
 
     async def leave(self, timeout_s: float = 5.0) -> None:
         """Drain: tell the bootstrap to place nothing more here. Reports keep flowing."""

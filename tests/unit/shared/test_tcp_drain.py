@@ -2,6 +2,7 @@
 with bytes its peer has not taken is still sending, and a reader that has not read what came
 before the FIN has bytes still to land."""
 
+import asyncio
 import socket
 from collections.abc import Iterator
 
@@ -66,3 +67,31 @@ def test_a_reader_that_took_every_byte_has_nothing_to_land_and_an_open_connectio
     assert reader.recv(200) == b"k" * 100
     assert not ends(port)[1].unread_after_close
     assert reader.recv(200) == b""
+
+
+def test_what_waits_for_its_writers_bytes_is_handed_on_once_they_are_read_and_dropped_once_it_no_longer_waits(
+    pair,
+):
+    writer, reader, _ = pair
+    writer.sendall(b"k" * 100)
+    writer.close()  # a gone writer's 100 bytes and its FIN wait in this process
+    until(lambda: not tcp_drain.closed_writes_read(), what="the FIN")
+    loop = asyncio.new_event_loop()
+    landed: list[list[str]] = []
+    waiting = {"kept", "dropped"}
+    after = tcp_drain.AfterLanding(loop, True, lambda item: item in waiting, landed.append)
+    try:
+        after.add("kept")
+        after.add("dropped")
+        loop.run_until_complete(asyncio.sleep(0.1))  # ten looks: the bytes are unread
+        assert landed == []
+        waiting.discard("dropped")  # its fence ended meanwhile
+        assert reader.recv(200) == b"k" * 100
+        loop.run_until_complete(asyncio.sleep(0.1))
+        assert landed == [["kept"]]
+        # What no longer waits when it comes is dropped at once: no look is left scheduled.
+        waiting.clear()
+        after.add("late")
+        assert not loop._scheduled  # type: ignore[attr-defined]
+    finally:
+        loop.close()

@@ -16,7 +16,7 @@ import torch
 from kvroom_vllm.messages import Load, Send, StepPlan, TransferGrant
 from kvroom_vllm.paged_kv import PagedKV, block_digests, paged_kv
 from kvroom_vllm.settings import settings_from
-from kvroom_vllm.worker import WorkerHalf
+from kvroom_vllm.worker import WorkerHalf, writes_may_move
 from launcher.local_stack import free_port
 from shared.kv import tcp_drain
 from shared.kv.aux_buffers import AUX_RECORD
@@ -313,6 +313,24 @@ def test_a_write_that_waited_past_its_start_deadline_is_not_started():
         assert not prefill.half.engine.writes  # type: ignore[attr-defined]
         assert set(decode.failed) == {"d-1"} and decode.invalid == {2, 9, 11}
         assert decode.whole.abs().sum() == 0
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_a_write_may_move_until_the_rank_saw_it_end_which_a_scheduler_in_this_process_asks():
+    """With vLLM's in-process executor a prefill's writes are its scheduler's process's own: it
+    leaves only once none may still move (``kvroom_vllm.scheduler`` asks ``writes_may_move``)."""
+    directory: dict = {}
+    prefill, decode = Rank("prefill", directory), Rank("decode", directory)
+    try:
+        assert not prefill.half.writing()
+        with write_threads_taken(prefill):
+            start(prefill, decode)
+            until(lambda: queued_write(prefill))
+            assert prefill.half.writing() and writes_may_move()
+        until(lambda: "p-1" in prefill.poll().sending)
+        assert not prefill.half.writing()
     finally:
         prefill.close()
         decode.close()

@@ -277,3 +277,13 @@ def test_writers_the_bootstraps_heartbeat_answer_names_gone_reach_the_workers_in
     until(lambda: plans.append(half.step_plan()) or any(p.writers_gone for p in plans))
     assert [t for p in plans for t in p.writers_gone] == [7, 9]
     assert half.step_plan().writers_gone == []  # once
+
+
+@pytest.mark.parametrize("half", ["prefill"], indirect=True)
+def test_a_prefill_leaves_only_once_no_write_of_a_worker_in_its_process_may_move(half, monkeypatch):
+    moving = True
+    monkeypatch.setattr("kvroom_vllm.scheduler.writes_may_move", lambda: moving)
+    assert not half._writes_over()
+    moving = False
+    monkeypatch.setattr(half.settings, "transport", "rdma")  # no kernel to ask
+    assert half._writes_over()
