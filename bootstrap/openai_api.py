@@ -115,9 +115,10 @@ async def _finished(request: Request, cluster: Any, room: RoomData) -> RoomData:
     try:
         await asyncio.wait({ended, left}, return_when=asyncio.FIRST_COMPLETED)
     finally:  # both, also when this handler is cancelled
+        gone = not ended.done()
         ended.cancel()
         left.cancel()
-    if ended.cancelled():
+    if gone:
         cluster.abort_soon(room.room)
         raise OpenAIError(499, "the client closed its connection", "invalid_request_error")
     done: RoomData | None = ended.result()
