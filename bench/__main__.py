@@ -3,6 +3,7 @@
     python -m bench [--quick] [--out bench/results]
     python -m bench --vllm-only [--quick] [--out bench/results]
     python -m bench --against REF [--quick] [--out bench/results]
+    python -m bench --vllm-only --against REF [--quick] [--out bench/results]
 
 Runs real services on 127.0.0.1 over TCP in synthetic-KV mode (pages stamped,
 not computed; checked on the decode side after SUCCESS, outside the timing).
@@ -12,7 +13,8 @@ neighbours of one run before the median over runs. Nothing here asserts a timing
 
 With ``--against REF`` the rooms, the control plane and the model run on this tree's
 stacks and on REF's (checked out beside, each version's services importing their own
-tree) in turn, and each row is judged: not worse, or worse (bench/against.py).
+tree) in turn, and each row is judged: not worse, or worse (bench/against.py). With
+``--vllm-only --against REF`` so does kvroom's vLLM pair (bench/vllm.py), into against-vllm.md.
 
 A full run ends with the vLLM section (bench/vllm.py): real vLLM CPU servers, one plain, a PD pair
 with vLLM's MooncakeConnector and a PD pair with KvroomConnector, taking turns (about ten minutes;
@@ -41,8 +43,10 @@ import httpx
 from bench.against import ROOT, compare, describe, tree_env, worktree
 from bench.http_load import Connection
 from bench.raw import RawPair
-from bench.report import size_label, write_against_report, write_report
+from bench.report import size_label, write_against_report, write_against_vllm_report, write_report
+from bench.vllm import code_env as vllm_code_env
 from bench.vllm import run as run_vllm
+from bench.vllm import run_against as run_vllm_against
 from bench.zmq_pair import ZmqPair
 from bootstrap.settings import BootstrapSettings
 from launcher.local_stack import LocalStack, Service
@@ -637,6 +641,31 @@ def against(ref: str, quick: bool, out: Path) -> int:
     return 0
 
 
+def against_vllm(ref: str, quick: bool, out: Path) -> int:
+    """kvroom's vLLM pair on this tree against ``ref``'s, side by side: against-vllm.{json,md}."""
+    started = time.time()
+    load_before = os.getloadavg()[0]
+    with worktree(ref) as old_tree, tempfile.TemporaryDirectory(prefix="kvroom-bench-") as tmp:
+        code_envs = {"old": vllm_code_env(old_tree), "new": None}
+        compared = {"old": {"ref": ref, **describe(old_tree)}, "new": describe(ROOT)}
+        vllm = run_vllm_against(Path(tmp), quick, code_envs)
+    worse = [row for row in vllm["rows"] if row["verdict"] == "worse"]
+    results = {
+        "machine": {**host(), "load_average": [load_before, os.getloadavg()[0]]},
+        "date": time.strftime("%Y-%m-%d", time.gmtime(started)),
+        "quick": quick,
+        "seconds": round(time.time() - started, 1),
+        **compared,
+        **vllm,
+        "verdict": "worse" if worse else "not worse",
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "against-vllm.json").write_text(json.dumps(results, indent=2))
+    write_against_vllm_report(results, out)
+    print((out / "against-vllm.md").read_text())
+    return 0
+
+
 def vllm_only(quick: bool, out: Path) -> int:
     """The vLLM section alone, put into ``out``'s results.json beside the sections already there."""
     with tempfile.TemporaryDirectory(prefix="kvroom-bench-") as tmp:
@@ -667,9 +696,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--against",
         metavar="REF",
-        help="this tree against the commit REF, side by side; writes against.{json,md}",
+        help="this tree against the commit REF, side by side; writes against.{json,md} "
+        "(with --vllm-only: kvroom's vLLM pair, into against-vllm.{json,md})",
     )
     args = parser.parse_args(argv)
+    if args.against and args.vllm_only:
+        return against_vllm(args.against, args.quick, args.out)
     if args.against:
         return against(args.against, args.quick, args.out)
     if args.vllm_only:

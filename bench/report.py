@@ -89,25 +89,10 @@ def _version(side: dict[str, Any]) -> str:
     return f"`{side['commit'][:12]}`{changes} ({subject})"
 
 
-def write_against_report(results: dict[str, Any], out: Path) -> None:
-    """The side-by-side report of ``python -m bench --against REF`` (against.md)."""
-    m, rows = results["machine"], results["rows"]
+def _verdict_and_table(rows: list[dict[str, Any]], verdict: str) -> list[str]:
     worse = [r for r in rows if r["verdict"] == "worse"]
-    load = " to ".join(f"{x:.1f}" for x in m["load_average"])
-    parts = [
-        f"Host: {m['cpus']} CPUs, {m['platform']}, Python {m['python']}, {m['transport']}; "
-        f"{results['date']}; load average {load} over the run (other work on the host shows as spread)."
-        + (" Quick run: too few runs for a verdict to mean much." if results["quick"] else "")
-        + "\n",
-        f"Old: {results['old']['ref']}, {_version(results['old'])}  ",
-        f"New: {_version(results['new'])}\n",
-        f"Both versions' stacks up side by side, each running its own tree's code; a point's samples "
-        f"taken from each in turn, the order reversed every other run ({results['runs']} rooms a point, "
-        f"{results['blocks']} blocks a load point). new ÷ old: the median of the runs' ratios, each run's "
-        "two samples next to each other. Tolerance: three times that median's standard error, from the "
-        "ratios' interquartile range (sigma ≈ IQR / 1.35, a median's error ≈ 1.25 sigma / √runs). A row is "
-        "worse when its ratio is past 1 by more than its tolerance, in the direction that is worse.\n",
-        f"**Verdict: {results['verdict']}** "
+    return [
+        f"**Verdict: {verdict}** "
         + (
             f"({len(worse)} of {len(rows)} rows worse: "
             + "; ".join(f"{r['section']}, {r['point']}" for r in worse)
@@ -133,7 +118,59 @@ def write_against_report(results: dict[str, Any], out: Path) -> None:
             ],
         ),
     ]
+
+
+def _against_head(results: dict[str, Any]) -> list[str]:
+    m = results["machine"]
+    load = " to ".join(f"{x:.1f}" for x in m["load_average"])
+    return [
+        f"Host: {m['cpus']} CPUs, {m['platform']}, Python {m['python']}, {m['transport']}; "
+        f"{results['date']}; load average {load} over the run (other work on the host shows as spread)."
+        + (" Quick run: too few runs for a verdict to mean much." if results["quick"] else "")
+        + "\n",
+        f"Old: {results['old']['ref']}, {_version(results['old'])}  ",
+        f"New: {_version(results['new'])}\n",
+    ]
+
+
+_TOLERANCE = (
+    "Tolerance: three times that median's standard error, from the ratios' interquartile range "
+    "(sigma ≈ IQR / 1.35, a median's error ≈ 1.25 sigma / √runs). A row is worse when its ratio is "
+    "past 1 by more than its tolerance, in the direction that is worse.\n"
+)
+
+
+def write_against_report(results: dict[str, Any], out: Path) -> None:
+    """The side-by-side report of ``python -m bench --against REF`` (against.md)."""
+    parts = [
+        *_against_head(results),
+        f"Both versions' stacks up side by side, each running its own tree's code; a point's samples "
+        f"taken from each in turn, the order reversed every other run ({results['runs']} rooms a point, "
+        f"{results['blocks']} blocks a load point). new ÷ old: the median of the runs' ratios, each run's "
+        "two samples next to each other. " + _TOLERANCE,
+        *_verdict_and_table(results["rows"], results["verdict"]),
+    ]
     (out / "against.md").write_text("\n".join(parts) + "\n")
+
+
+def write_against_vllm_report(results: dict[str, Any], out: Path) -> None:
+    """The side-by-side report of ``python -m bench --vllm-only --against REF`` (against-vllm.md)."""
+    model = results["model"]
+    shape = ", ".join(f"{k} {v}" for k, v in model.items() if k != "name")
+    parts = [
+        *_against_head(results),
+        f"kvroom's vLLM pair (a vLLM CPU prefill and decode with KvroomConnector behind the kvroom "
+        f"bootstrap; {model['name']}: {shape}) on each version's code, one at a time, the order "
+        f"reversed every other round ({results['rounds']} rounds); streamed completions of "
+        f"{results['max_tokens']} tokens, each request its own prompt, the same prompts for both. "
+        "TTFT and latency with each worker in its engine core; CPU a request (every process of the "
+        "pair and the bootstrap) under vLLM's default executor. new ÷ old: the median of the rounds' "
+        "ratios, each round's medians next to each other. " + _TOLERANCE,
+        "Outputs of both versions token-equal in every round: "
+        + ("yes.\n" if results["outputs_agree"] else "NO.\n"),
+        *_verdict_and_table(results["rows"], results["verdict"]),
+    ]
+    (out / "against-vllm.md").write_text("\n".join(parts) + "\n")
 
 
 def write_report(results: dict[str, Any], out: Path) -> None:

@@ -36,11 +36,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from bench.against import compare, tree_env
 from bench.process_cpu import cpu_seconds
 from launcher.local_stack import free_port
 from launcher.vllm_servers import ROOT, VLLM_PYTHON, VllmCluster, VllmServer, tiny_llama
@@ -266,19 +268,29 @@ def start(config: str, model: Path, log_dir: Path, server_env: dict[str, str]) -
             raise
         return Running(server.url, server, server.stop, {"server": _pid(server.proc)})
     if config == "kvroom":
-        cluster = VllmCluster(log_dir, model, bootstrap_args=["--log-level", "WARNING"], env=server_env)
-        try:
-            prefill, decode = cluster.start()
-        except BaseException:
-            cluster.stop()
-            raise
-        parts = {
-            "prefill": _pid(prefill.proc),
-            "decode": _pid(decode.proc),
-            "bootstrap": _pid(cluster.bootstrap.proc),
-        }
-        return Running(cluster.bootstrap.url, decode, cluster.stop, parts, sender=prefill, rooms=True)
+        return start_kvroom(model, log_dir, server_env)
     return start_mooncake(model, log_dir, server_env)
+
+
+def start_kvroom(
+    model: Path, log_dir: Path, server_env: dict[str, str], code_env: dict[str, str] | None = None
+) -> Running:
+    """kvroom's pair behind its bootstrap; with ``code_env``, on another checkout's code."""
+    guard = code_env is None or (Path(code_env["PYTHONPATH"]) / "kvroom_vllm" / "guard.py").exists()
+    cluster = VllmCluster(
+        log_dir, model, ["--log-level", "WARNING"], env=server_env, code_env=code_env, guard=guard
+    )
+    try:
+        prefill, decode = cluster.start()
+    except BaseException:
+        cluster.stop()
+        raise
+    parts = {
+        "prefill": _pid(prefill.proc),
+        "decode": _pid(decode.proc),
+        "bootstrap": _pid(cluster.bootstrap.proc),
+    }
+    return Running(cluster.bootstrap.url, decode, cluster.stop, parts, sender=prefill, rooms=True)
 
 
 def start_mooncake(model: Path, log_dir: Path, server_env: dict[str, str]) -> Running:
@@ -468,25 +480,48 @@ def summarise_cpu(rounds: list[dict[str, dict[str, Any]]], plan: Plan) -> list[d
     return rows
 
 
-def _start(config: str, model: Path, log_dir: Path, server_env: dict[str, str]) -> tuple[Running, float]:
-    """The configuration up, and the seconds that took; once more where a server did not come up."""
+Starter = Callable[[Path, dict[str, str]], Running]  # a configuration's start: its logs, servers' env
+
+
+def _start(label: str, starter: Starter, log_dir: Path, server_env: dict[str, str]) -> tuple[Running, float]:
+    """A configuration up, and the seconds that took; once more where a server did not come up."""
     begun = time.monotonic()
     try:
-        running = start(config, model, log_dir, server_env)
+        running = starter(log_dir, server_env)
     except RuntimeError as exc:  # a server that did not come up; its errors are printed
-        print(f"  {LABELS[config]} did not start, starting it once more: {exc}", flush=True)
+        print(f"  {label} did not start, starting it once more: {exc}", flush=True)
         begun = time.monotonic()
-        running = start(config, model, log_dir.with_name(log_dir.name + "-again"), server_env)
+        running = starter(log_dir.with_name(log_dir.name + "-again"), server_env)
     return running, time.monotonic() - begun
 
 
-def run(workdir: Path, quick: bool) -> dict[str, Any]:
-    """The section: every configuration in turn, every round; its results for results.json."""
-    if not VLLM_PYTHON.exists():
-        raise RuntimeError(f"{VLLM_PYTHON} is missing: bash setup.sh vllm makes it")
-    started = time.time()
-    plan = Plan(quick)
-    model = tiny_llama(workdir / "models")
+def measured(
+    label: str,
+    starter: Starter,
+    log_dir: Path,
+    model: Path,
+    plan: Plan,
+    prompts: dict[tuple[Any, ...], list[list[int]]],
+    round_: int,
+) -> tuple[dict[str, Any], float]:
+    """One configuration's round: its points with each worker in its engine core, then its CPU a
+    request under vLLM's default executor; and the seconds its first start took."""
+    running, took = _start(label, starter, log_dir, SERVER_ENV)
+    try:
+        got = measure(running, model, plan, prompts, round_)
+    finally:
+        running.stop()
+    running, _ = _start(label, starter, log_dir.with_name(log_dir.name + "-cpu"), {})
+    try:
+        got["cpu"] = measure_cpu(running, model, plan, prompts, round_)
+    finally:
+        running.stop()
+    return got, took
+
+
+def draw_prompts(model: Path, plan: Plan) -> dict[tuple[Any, ...], list[list[int]]]:
+    """Every prompt of a run, before any server starts: a warm-up one a size; each point's and
+    each CPU level's, every round."""
     drawn = Prompts(model)
     prompts: dict[tuple[Any, ...], list[list[int]]] = {
         (size,): drawn.draw(size, 1, ("warm", size)) for size in plan.sizes
@@ -497,24 +532,27 @@ def run(workdir: Path, quick: bool) -> dict[str, Any]:
         for concurrency, requests in plan.cpu_levels:
             key = ("cpu", concurrency, round_)
             prompts[key] = drawn.draw(CPU_PROMPT_TOKENS, requests, key)
-    del drawn
+    return prompts
+
+
+def run(workdir: Path, quick: bool) -> dict[str, Any]:
+    """The section: every configuration in turn, every round; its results for results.json."""
+    if not VLLM_PYTHON.exists():
+        raise RuntimeError(f"{VLLM_PYTHON} is missing: bash setup.sh vllm makes it")
+    started = time.time()
+    plan = Plan(quick)
+    model = tiny_llama(workdir / "models")
+    prompts = draw_prompts(model, plan)
     rounds: list[dict[str, dict[str, Any]]] = []
     starts: dict[str, list[float]] = {config: [] for config in CONFIGS}
     for round_ in range(plan.rounds):
         got: dict[str, dict[str, Any]] = {}
         for config in CONFIGS if round_ % 2 == 0 else CONFIGS[::-1]:
             print(f"  round {round_ + 1}/{plan.rounds}: {LABELS[config]}", flush=True)
-            running, took = _start(config, model, workdir / f"vllm-{config}-{round_}", SERVER_ENV)
+            starter = partial(start, config, model)
+            log_dir = workdir / f"vllm-{config}-{round_}"
+            got[config], took = measured(LABELS[config], starter, log_dir, model, plan, prompts, round_)
             starts[config].append(took)
-            try:
-                got[config] = measure(running, model, plan, prompts, round_)
-            finally:
-                running.stop()
-            running, _ = _start(config, model, workdir / f"vllm-{config}-{round_}-cpu", {})
-            try:
-                got[config]["cpu"] = measure_cpu(running, model, plan, prompts, round_)
-            finally:
-                running.stop()
         rounds.append(got)
     transfers = {
         config: [r[config]["transfers"] for r in rounds if r[config]["transfers"]] for config in CONFIGS[1:]
@@ -557,3 +595,78 @@ def _shape(model: Path) -> dict[str, int]:
     config = json.loads((model / "config.json").read_text())
     keys = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim")
     return {k: config[k] for k in keys if k in config}
+
+
+def code_env(tree: Path) -> dict[str, str]:
+    """bench/against.py's environment for ``tree``'s kvroom, checked for the connector too, under
+    vLLM's Python."""
+    env = tree_env(tree)
+    probe = "import kvroom_vllm.connector as c; print(c.__file__)"
+    found = subprocess.run(
+        [str(VLLM_PYTHON), "-c", probe], env={**os.environ, **env}, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    if not Path(found).is_relative_to(tree):
+        raise RuntimeError(f"kvroom_vllm is not imported from {tree}: {found}")
+    return env
+
+
+# Rounds of a side-by-side run: a verdict's tolerance comes from the spread of its rounds' ratios.
+AGAINST_ROUNDS = 5
+
+
+def run_against(workdir: Path, quick: bool, code_envs: dict[str, dict[str, str] | None]) -> dict[str, Any]:
+    """kvroom's pair on each version's code ("old", "new"; None: this checkout) in turn, every
+    round, the order reversed every other round; each row a point's new ÷ old, round by round
+    (bench/against.py judges it). Plain vLLM and MooncakeConnector do not change between versions
+    and are left out."""
+    if not VLLM_PYTHON.exists():
+        raise RuntimeError(f"{VLLM_PYTHON} is missing: bash setup.sh vllm makes it")
+    plan = Plan(quick)
+    plan.rounds = 2 if quick else AGAINST_ROUNDS
+    model = tiny_llama(workdir / "models")
+    prompts = draw_prompts(model, plan)
+    versions = list(code_envs)
+    rounds: list[dict[str, dict[str, Any]]] = []
+    for round_ in range(plan.rounds):
+        got: dict[str, dict[str, Any]] = {}
+        for version in versions if round_ % 2 == 0 else versions[::-1]:
+            label = f"{LABELS['kvroom']}, {version}"
+            print(f"  round {round_ + 1}/{plan.rounds}: {label}", flush=True)
+            starter = partial(start_kvroom, model, code_env=code_envs[version])
+            log_dir = workdir / f"vllm-{version}-{round_}"
+            got[version], _ = measured(label, starter, log_dir, model, plan, prompts, round_)
+        rounds.append(got)
+    rows = []
+
+    def add(section: str, point: str, samples: dict[str, list[float]]) -> None:
+        rows.append(
+            {
+                "section": section,
+                "point": point,
+                **compare(samples["old"], samples["new"], True),
+                "samples": samples,
+            }
+        )
+
+    for size, concurrency, _ in plan.points():
+        key = f"{size}/{concurrency}"
+        for section, field in (("TTFT p50 ms", "ttft_s"), ("latency p50 ms", "latency_s")):
+            point = f"{size} tokens, {concurrency} at once"
+            add(
+                section, point, {v: [median_ms(r[v]["points"][key][field]) for r in rounds] for v in versions}
+            )
+    for concurrency, _ in plan.cpu_levels:
+        add(
+            "CPU s a request",
+            f"{CPU_PROMPT_TOKENS} tokens, {concurrency} at once",
+            {v: [r[v]["cpu"][str(concurrency)]["cpu_s"] for r in rounds] for v in versions},
+        )
+    return {
+        "rounds": plan.rounds,
+        "max_tokens": MAX_TOKENS,
+        "model": {"name": model.name, **_shape(model)},
+        "outputs_agree": all(
+            r[v]["outputs"] == rounds[0][versions[0]]["outputs"] for r in rounds for v in versions
+        ),
+        "rows": rows,
+    }

@@ -64,11 +64,18 @@ class VllmServer:
             **(env or {}),
         }
         self.transfer_config: dict[str, object] | None = None
+        self.guard = False
         self.proc: subprocess.Popen[bytes] | None = None
 
     def with_connector(
-        self, kv_role: str, extra: dict[str, object], connector: dict[str, str] = CONNECTOR
+        self,
+        kv_role: str,
+        extra: dict[str, object],
+        connector: dict[str, str] = CONNECTOR,
+        guard: bool = True,
     ) -> "VllmServer":
+        """``guard``: the API server checks transfer parameters (kvroom's connector only)."""
+        self.guard = guard and connector["kv_connector"] == CONNECTOR["kv_connector"]
         self.transfer_config = {
             **connector,
             "kv_role": kv_role,
@@ -90,8 +97,8 @@ class VllmServer:
         ]
         if self.transfer_config is not None:
             args += ["--kv-transfer-config", json.dumps(self.transfer_config)]
-            if self.transfer_config["kv_connector"] == CONNECTOR["kv_connector"]:
-                args += ["--middleware", GUARD]
+        if self.guard:
+            args += ["--middleware", GUARD]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 args, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT, start_new_session=True
@@ -158,12 +165,20 @@ class VllmCluster:
         bootstrap_args: list[str] | None = None,
         connector: dict[str, str] = CONNECTOR,
         env: dict[str, str] | None = None,
+        code_env: dict[str, str] | None = None,
+        guard: bool = True,
     ):
+        """``code_env``: the environment under which the bootstrap and the connectors import another
+        checkout's kvroom (the benchmark's side by side with an older commit, which may have no
+        ``guard``)."""
         self.log_dir = log_dir
         self.model = model
         self.connector = connector
-        self.env = env or {}
-        self.stack = LocalStack(log_dir, bootstrap_args=["--model", str(model), *(bootstrap_args or [])])
+        self.env = {**(env or {}), **(code_env or {})}
+        self.guard = guard
+        self.stack = LocalStack(
+            log_dir, bootstrap_args=["--model", str(model), *(bootstrap_args or [])], env=code_env
+        )
         self.bootstrap: Service = self.stack.bootstrap
         self.servers: list[VllmServer] = []
 
@@ -172,7 +187,7 @@ class VllmCluster:
         env = {"KVROOM_JOIN_TOKEN": self.stack.join_token or "", **self.env}
         settings = {"bootstrap_url": self.bootstrap.url, "node_id": node_id, **extra}
         server = VllmServer(node_id, self.model, self.log_dir, core, env, tp)
-        self.servers.append(server.with_connector(kv_role, settings, self.connector))
+        self.servers.append(server.with_connector(kv_role, settings, self.connector, self.guard))
         return server
 
     def start(self, **extra: object) -> tuple[VllmServer, VllmServer]:
