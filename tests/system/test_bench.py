@@ -187,3 +187,45 @@ def test_the_vllm_section_runs_its_three_configurations_and_reports(tmp_path):
     ):
         assert pair.endswith("| met |") == (r["cpu_kvroom_vs_mooncake"] <= 1.0)
         assert own.endswith("| met |") == (r["cpu_bootstrap_vs_proxy"] <= 1.0)
+
+
+# The commit before the connector's fence: its vLLM servers run without the transfer-params guard.
+BEFORE_THE_FENCE = "e98e6f7"
+
+
+@pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="bash setup.sh vllm makes .venv-vllm")
+@pytest.mark.timeout(900)
+def test_the_vllm_pair_against_a_commit_judges_both_versions_row_by_row(tmp_path):
+    """Costs about seven minutes: two rounds of kvroom's pair on each version, each started twice."""
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    args = ["--vllm-only", "--quick", "--against", BEFORE_THE_FENCE, "--out", str(tmp_path)]
+    out = subprocess.run(
+        [sys.executable, "-m", "bench", *args],
+        cwd=ROOT,
+        env={**os.environ, "TMPDIR": str(scratch)},
+        capture_output=True,
+        text=True,
+        timeout=840,
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    results = json.loads((tmp_path / "against-vllm.json").read_text())
+    assert results["old"]["commit"].startswith(BEFORE_THE_FENCE) and not results["old"]["local_changes"]
+    assert results["rounds"] == 2
+    # Both versions' pairs moved the KV intact: the same greedy tokens, every round.
+    assert results["outputs_agree"] is True
+    rows = results["rows"]
+    points = [f"{size} tokens, {c} at once" for c in (1, 8) for size in (16, 128, 400)]
+    expected = [(section, p) for p in points for section in ("TTFT p50 ms", "latency p50 ms")]
+    expected += [("CPU s a request", f"128 tokens, {c} at once") for c in (1, 8)]
+    assert [(r["section"], r["point"]) for r in rows] == expected
+    for row in rows:
+        assert [len(row["samples"][v]) for v in ("old", "new")] == [2, 2], row
+        assert all(s > 0 for v in ("old", "new") for s in row["samples"][v]), row
+        assert row["verdict"] in {"not worse", "worse"} and row["better"] == "lower"
+    assert results["verdict"] == ("worse" if any(r["verdict"] == "worse" for r in rows) else "not worse")
+    report = (tmp_path / "against-vllm.md").read_text()
+    assert f"**Verdict: {results['verdict']}**" in report and "token-equal in every round: yes" in report
+    assert len([line for line in report.splitlines() if line.startswith("| ")]) == 1 + len(rows)
+    worktrees = subprocess.run(["git", "worktree", "list"], cwd=ROOT, capture_output=True, text=True).stdout
+    assert str(scratch) not in worktrees and not list(scratch.glob("kvroom-against-*"))
