@@ -622,22 +622,33 @@ def against(ref: str, quick: bool, out: Path) -> int:
         if not quick:
             print("a Hugging Face model", flush=True)
             versions.model([(1, 16), (16, 64)], max_tokens=8, blocks=blocks)
-    worse = [row for row in versions.rows if row["verdict"] == "worse"]
+    fields = {"runs": bench.runs, "blocks": blocks, **compared, "rows": versions.rows}
+    return judged(out / "against", started, load_before, quick, fields, write_against_report)
+
+
+def judged(
+    path: Path,
+    started: float,
+    load_before: float,
+    quick: bool,
+    fields: dict[str, Any],
+    write: Callable[[dict[str, Any], Path], None],
+) -> int:
+    """A side-by-side run's results, with the host and the verdict over its rows, into
+    ``path``.json and (by ``write``) ``path``.md, which is printed."""
+    worse = any(row["verdict"] == "worse" for row in fields["rows"])
     results = {
         "machine": {**host(), "load_average": [load_before, os.getloadavg()[0]]},
         "date": time.strftime("%Y-%m-%d", time.gmtime(started)),
         "quick": quick,
-        "runs": bench.runs,
-        "blocks": blocks,
         "seconds": round(time.time() - started, 1),
-        **compared,
-        "rows": versions.rows,
+        **fields,
         "verdict": "worse" if worse else "not worse",
     }
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "against.json").write_text(json.dumps(results, indent=2))
-    write_against_report(results, out)
-    print((out / "against.md").read_text())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.with_suffix(".json").write_text(json.dumps(results, indent=2))
+    write(results, path.parent)
+    print(path.with_suffix(".md").read_text())
     return 0
 
 
@@ -649,21 +660,9 @@ def against_vllm(ref: str, quick: bool, out: Path) -> int:
         code_envs = {"old": vllm_code_env(old_tree), "new": None}
         compared = {"old": {"ref": ref, **describe(old_tree)}, "new": describe(ROOT)}
         vllm = run_vllm_against(Path(tmp), quick, code_envs)
-    worse = [row for row in vllm["rows"] if row["verdict"] == "worse"]
-    results = {
-        "machine": {**host(), "load_average": [load_before, os.getloadavg()[0]]},
-        "date": time.strftime("%Y-%m-%d", time.gmtime(started)),
-        "quick": quick,
-        "seconds": round(time.time() - started, 1),
-        **compared,
-        **vllm,
-        "verdict": "worse" if worse else "not worse",
-    }
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "against-vllm.json").write_text(json.dumps(results, indent=2))
-    write_against_vllm_report(results, out)
-    print((out / "against-vllm.md").read_text())
-    return 0
+    return judged(
+        out / "against-vllm", started, load_before, quick, {**compared, **vllm}, write_against_vllm_report
+    )
 
 
 def vllm_only(quick: bool, out: Path) -> int:
